@@ -1,0 +1,67 @@
+"""`fllama eval`: perplexity on a text, and KL / top-1 agreement against a baseline model."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fllama_cli.options import DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
+from fllama_cli.runtime import open_model
+from model_zoo.evaluation import EvalConfig, evaluate
+from model_zoo.text_sources import SOURCES_HELP, load_text, token_windows
+
+
+def eval_cmd(
+    model: ModelArg = None,
+    data: Annotated[str, typer.Option("--data", help=SOURCES_HELP)] = "gutenberg:sherlock",
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per window (non-overlapping).")] = 512,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Use the first N tokens of the text.")] = 4096,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="A second model: report KL divergence and top-1 agreement against it.")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass.")] = 1,
+    device: DeviceOpt = DeviceChoice.auto,
+    random: RandomOpt = False,
+    seed: SeedOpt = None,
+    quiet: QuietOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Perplexity over non-overlapping windows of --seq-len tokens, each scoring its tokens 2..L."""
+    cfg = EvalConfig(seq_len=seq_len, max_tokens=max_tokens, batch=batch)
+    opened = open_model(model, device=device, random=random, seed=seed, max_batch=batch)
+    ids = opened.tokenizer.encode(load_text(data))  # the tokenizer's default special tokens
+    windows = token_windows(ids, seq_len, max_tokens)  # [n, L]
+    base = open_model(baseline, device=device, random=random, seed=seed, max_batch=batch) if baseline else None
+    if base is not None and base.config.vocab_size != opened.config.vocab_size:
+        from model_zoo.errors import ConfigError
+        raise ConfigError(f"the baseline's vocabulary ({base.config.vocab_size}) differs from the model's "
+                          f"({opened.config.vocab_size})")
+    err = Console(stderr=True, highlight=False)
+    settings = (f"data={data} seq_len={seq_len} stride={seq_len} windows={len(windows)} "
+                f"scored={len(windows) * (seq_len - 1)} tokens (first of each window unscored) "
+                f"bos={'yes' if ids and ids[0] == opened.tokenizer.bos_id else 'no'} {opened.describe()}")
+    if not json_out:
+        err.print(f"[dim]{settings}[/]")
+    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err, disable=quiet or json_out, transient=True) as bar:
+        task = bar.add_task("eval", total=len(windows))
+        result = evaluate(opened.backend, windows, cfg, base.backend if base else None,
+                          progress=lambda n: bar.advance(task, n))
+    if json_out:
+        print(json.dumps({**result.as_dict(), "data": data, "max_tokens": max_tokens, "stride": seq_len,
+                          "model": opened.loaded.source, "baseline": base.loaded.source if base else None,
+                          "device": opened.device}))
+        return
+    table = Table(title=f"fllama eval · {opened.loaded.source}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("perplexity", f"{result.perplexity:.4f}")
+    table.add_row("tokens scored", str(result.tokens))
+    if base is not None:
+        table.add_row("baseline perplexity", f"{result.baseline_perplexity:.4f}")
+        table.add_row("KL divergence (nats/token)", f"{result.kl_divergence:.6f}")
+        table.add_row("top-1 agreement", f"{100 * result.top1_agreement:.2f}%")
+    Console(highlight=False).print(table)

@@ -1,0 +1,68 @@
+"""`fllama generate`: complete one prompt (streamed) or a batch of prompts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from fllama_cli.options import DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.runtime import open_model, read_prompt_arg
+from model_zoo.errors import PromptError
+from model_zoo.generation import GenerationConfig, generate
+from model_zoo.sampling import SamplingConfig
+
+
+def generate_cmd(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch. Read from stdin when absent.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1 = off).")] = 0.95,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="> 1 discourages repeats.")] = 1.0,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
+    seed: SeedOpt = None,
+    device: DeviceOpt = DeviceChoice.auto,
+    random: RandomOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate a continuation of a prompt, streamed as it comes (several -p: a batch)."""
+    prompts = read_prompt_arg(prompt)
+    if not prompts or not any(p.strip() for p in prompts):
+        raise PromptError("the prompt is empty: give -p TEXT or pipe text on stdin")
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()),
+                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                   repetition_penalty=repetition_penalty, seed=seed))
+    opened = open_model(model, device=device, random=random, seed=seed, max_batch=len(prompts))
+    tok = opened.tokenizer
+    ids = [tok.encode(p) for p in prompts]
+    stream = not json_out and len(prompts) == 1
+    out = Console(highlight=False, soft_wrap=True)
+    if stream:
+        out.print(prompts[0], end="", style="dim")
+    on_text = (lambda _row, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
+    results, stats = generate(opened.backend, tok, ids, cfg, on_text=on_text)
+    if json_out:
+        rows = [{"text": r.text, "tokens": r.tokens, "prompt_tokens": r.prompt_tokens,
+                 "generated_tokens": len(r.tokens), "finish_reason": r.finish_reason} for r in results]
+        summary = {"tokens_per_s": round(stats.tokens_per_s, 3),
+                   "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
+                   "time_to_first_token_s": round(stats.prefill_s, 4), "device": opened.device,
+                   "backend": opened.backend.name}
+        obj = {**rows[0], **summary} if len(rows) == 1 else {"results": rows, **summary,
+                                                             "generated_tokens": sum(len(r.tokens) for r in results)}
+        print(json.dumps(obj))
+        return
+    if not stream:
+        for p, r in zip(prompts, results):
+            out.print(f"[dim]{p}[/]{r.text}")
+            out.rule(style="dim")
+    else:
+        print()
+    err = Console(stderr=True, highlight=False)
+    err.print(f"[dim]{stats.generated_tokens} tokens · {stats.tokens_per_s:.1f} tok/s decode · "
+              f"prefill {stats.prompt_tokens} tokens in {stats.prefill_s:.2f} s · {opened.describe()}[/]")

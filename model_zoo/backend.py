@@ -1,0 +1,34 @@
+"""What a generation backend provides: the CPU/torch reference and the GPU engine both implement it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from model_zoo.config import LlamaConfig
+from model_zoo.sampling import SamplingConfig, TorchSampler
+
+
+class Backend(Protocol):
+    name: str
+    config: LlamaConfig
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def new_cache(self, batch: int, max_len: int) -> Any:
+        """A KV cache for `batch` rows of up to `max_len` positions each; every row starts empty."""
+        ...
+
+    def forward(self, tokens: torch.Tensor, cache: Any = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] -> fp32 logits [B, S, V]; with a cache, row r continues at its cached length."""
+        ...
+
+
+def make_sampler(backend: Backend, cfg: SamplingConfig, batch: int) -> Any:
+    """The backend's own sampler when it has one (GPU sampling), the torch sampler otherwise."""
+    factory = getattr(backend, "make_sampler", None)
+    if factory is not None:
+        return factory(cfg, batch)
+    return TorchSampler(cfg, batch, backend.config.vocab_size, backend.device)
