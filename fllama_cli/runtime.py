@@ -56,6 +56,13 @@ def pick_device(choice: DeviceChoice) -> str:
     return "cuda" if ok else "cpu"
 
 
+def torch_device(choice: DeviceChoice) -> str:
+    """For work done in torch (calibration, quantization): the GPU when asked for or present."""
+    if choice == DeviceChoice.cuda and not torch.cuda.is_available():
+        raise DeviceError("--device cuda: no CUDA GPU visible to PyTorch")
+    return "cuda" if choice != DeviceChoice.cpu and torch.cuda.is_available() else "cpu"
+
+
 def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu"):
     """ModelWeights for a loaded checkpoint, quantized linears included, on `device` in `dtype`."""
     from model_zoo.formats import Scheme, load_quantized_weights, scheme_of

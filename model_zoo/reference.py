@@ -98,7 +98,11 @@ def layer_forward(layer: LayerWeights, config: LlamaConfig, x: torch.Tensor, pos
         k_cache[r, :, positions] = k.transpose(1, 2).to(k_cache.dtype)  # [B, S, n_kv, d] into (row, :, pos)
         v_cache[r, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
         T = int(positions.max()) + 1
-        k, v = k_cache[rows, :, :T].to(q.dtype), v_cache[rows, :, :T].to(q.dtype)  # [B, n_kv, T, d]
+        if B == k_cache.shape[0] and bool((rows == torch.arange(B, device=rows.device)).all()):
+            k, v = k_cache[:, :, :T], v_cache[:, :, :T]  # every row in order: a view, no gather
+        else:
+            k, v = k_cache[rows, :, :T], v_cache[rows, :, :T]  # [B, n_kv, T, d]
+        k, v = k.to(q.dtype), v.to(q.dtype)
     o = attention(q, k, v, positions, c.gqa_ratio)  # [B, nh, S, d]
     o = o.transpose(1, 2).reshape(B, S, c.q_size)  # [B, S, nh*d]
     if observer:

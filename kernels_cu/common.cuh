@@ -1,0 +1,117 @@
+// Shared device helpers for fllama kernels: 16-byte fp16 vectors, warp/block reductions, int8 rounding.
+// Arithmetic that must match the torch reference bit for bit uses the _rn intrinsics, which forbid
+// nvcc from contracting a multiply and an add into one FMA.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace fllama {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// Eight fp16 values moved as one 16-byte load/store (pointers must be 16-byte aligned).
+struct alignas(16) Half8 {
+    __half2 h[4];
+};
+
+__device__ __forceinline__ Half8 load_half8(const __half* p) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    return *reinterpret_cast<Half8*>(&raw);
+}
+
+__device__ __forceinline__ void store_half8(__half* p, const Half8& v) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+}
+
+__device__ __forceinline__ float half8_get(const Half8& v, int i) {
+    return (i & 1) ? __high2float(v.h[i >> 1]) : __low2float(v.h[i >> 1]);
+}
+
+__device__ __forceinline__ __half half8_geth(const Half8& v, int i) {
+    return (i & 1) ? __high2half(v.h[i >> 1]) : __low2half(v.h[i >> 1]);
+}
+
+__device__ __forceinline__ void half8_set(Half8& v, int i, __half x) {
+    if (i & 1) {
+        v.h[i >> 1] = __halves2half2(__low2half(v.h[i >> 1]), x);
+    } else {
+        v.h[i >> 1] = __halves2half2(x, __high2half(v.h[i >> 1]));
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Block-wide sum / max; every thread of the block must call it; all get the result.
+// `scratch` holds 32 floats of shared memory; blockDim.x a multiple of 32.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;  // 0 is a safe identity: block_max is used on |x|
+    return warp_max(v);
+}
+
+// Symmetric int8: q = rint(v * inv) clamped to [-127, 127]; inv = 127 / amax computed once per row.
+__device__ __forceinline__ int8_t quantize_i8(float v, float inv) {
+    float q = rintf(__fmul_rn(v, inv));
+    q = fminf(fmaxf(q, -127.0f), 127.0f);
+    return static_cast<int8_t>(static_cast<int>(q));
+}
+
+constexpr float MIN_AMAX = 1e-8f;
+
+__device__ __forceinline__ float clamp_amax(float amax) { return fmaxf(amax, MIN_AMAX); }
+
+// Eight int8 values stored as one 8-byte word (pointer 8-byte aligned).
+__device__ __forceinline__ void store_i8x8(int8_t* p, const int8_t (&q)[8]) {
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo |= (uint32_t)(uint8_t)q[i] << (8 * i);
+        hi |= (uint32_t)(uint8_t)q[i + 4] << (8 * i);
+    }
+    *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+}
+
+// Quantize eight fp16-valued floats and store them.
+__device__ __forceinline__ void quantize_store8(int8_t* p, const Half8& v, float inv) {
+    int8_t q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = quantize_i8(half8_get(v, i), inv);
+    store_i8x8(p, q);
+}
+
+__device__ __forceinline__ float half8_absmax(const Half8& v) {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(half8_get(v, i)));
+    return m;
+}
+
+// How a row kernel ends: fp16 out, int8 with a per-row dynamic scale, or int8 with a static amax.
+enum QuantMode { QUANT_NONE = 0, QUANT_DYNAMIC = 1, QUANT_STATIC = 2 };
+
+}  // namespace fllama

@@ -1,0 +1,114 @@
+// fp16 GEMV for decode (M <= 16 per 16-token tile): y[m, n] = fp16(sum_k x[m, k] * W[n, k]) (+ residual),
+// fp32 accumulation, weight [N, K] row-major read once per 8 * MT tokens.
+//
+// Same tiling as int8_gemv (int8_gemm.cu): block = 8 warps owning 16 output channels, warps split K
+// and meet in shared memory; per 32-wide k tile a lane loads 16 bytes (8 halves) of weight rows g and
+// g + 8 and of activation row g, and feeds two m16n8k16 mma with A = weights, B = tokens (D = y^T).
+// The lane's 8 halves go 4 + 4 to the two mma (a0/a2 = halves 0-1/2-3, then 4-5/6-7) and the activation
+// halves the same way. Loads are software-pipelined one step ahead (see int8_gemm.cu).
+// grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
+#include "gemm_common.cuh"
+
+using namespace fllama;
+
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int UNROLL = 4;
+constexpr int TILE_K = 32;
+
+template <int MT, bool RESIDUAL>
+__device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* __restrict__ x,
+                                          const __half* __restrict__ weight, const __half* __restrict__ residual,
+                                          int M, int N, int K) {
+    __shared__ float red[WARPS][MT][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const int m0 = blockIdx.y * 8 * MT;
+
+    const bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
+    const __half* w_lo = weight + (size_t)(lo_ok ? n0 + g : 0) * K + 8 * t;
+    const __half* w_hi = weight + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + 8 * t;
+    bool x_ok[MT];
+    const __half* x_row[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = m0 + mt * 8 + g;
+        x_ok[mt] = m < M;
+        x_row[mt] = x + (size_t)(x_ok[mt] ? m : 0) * K + 8 * t;
+    }
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mt][r] = 0.0f;
+
+    const int tiles = (K + TILE_K - 1) / TILE_K;
+    uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
+    auto load_step = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL], uint4 (&xs)[UNROLL][MT]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (base + u) * TILE_K;
+            const bool k_ok = k + 8 * t < K;  // K % 8 == 0: a lane's 8 halves are all in or all out
+            l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
+            h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k_ok && x_ok[mt]);
+        }
+    };
+    load_step(warp * UNROLL, wl, wh, xv);
+    for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
+        uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
+        load_step(base + WARPS * UNROLL, nl, nh, nx);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    mma_f16_16816(acc[mt], word(wl[u], 2 * s), word(wh[u], 2 * s), word(wl[u], 2 * s + 1),
+                                  word(wh[u], 2 * s + 1), word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            wl[u] = nl[u];
+            wh[u] = nh[u];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xv[u][mt] = nx[u][mt];
+        }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
+    __syncthreads();
+
+    if (threadIdx.x >= MT * 128) return;
+    const int mt = threadIdx.x >> 7, r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += red[w][mt][r][l];
+    const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
+    const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+    if (n < N && m < M) {
+        const size_t o = (size_t)m * N + n;
+        const __half h = __float2half_rn(sum);
+        y[o] = RESIDUAL ? __hadd_rn(h, residual[o]) : h;  // fp16 add after rounding, like the reference
+    }
+}
+
+}  // namespace
+
+// (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K)
+#define FLLAMA_FP16_GEMV(NAME, MT, RES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K) { \
+        fp16_gemv<MT, RES>(y, x, weight, residual, M, N, K);                                               \
+    }
+
+FLLAMA_FP16_GEMV(fp16_gemv_mt1, 1, false)
+FLLAMA_FP16_GEMV(fp16_gemv_mt2, 2, false)
+FLLAMA_FP16_GEMV(fp16_gemv_mt1_res, 1, true)
+FLLAMA_FP16_GEMV(fp16_gemv_mt2_res, 2, true)

@@ -1,0 +1,65 @@
+"""fp16 linear layers of the engine (the baseline scheme): fp16_gemv.cu for decode, cuBLAS beyond.
+
+    y[m, n] = fp16(sum_k x[m, k] * weight[n, k])   fp32 accumulation   (+ residual[m, n], an fp16 add)
+
+M <= 16: fp16_gemv, a tensor-core GEMV that streams the weight once (cuBLAS leaves a third of the
+bandwidth unused at M = 1). Larger M: torch.matmul (cuBLAS tensor-core GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels_cu import build
+from kernels_cu.checks import check_multiple, check_tensor, out_or_new
+from kernels_cu.gemm_shapes import GEMV_THREADS, gemv_grid, token_tile
+
+DECODE_MAX_M = 16
+
+
+def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp16 [M, K], weight fp16 [N, K] -> y fp16 [M, N]: the GEMV kernel up to 16 rows, cuBLAS above."""
+    if x.dim() == 2 and x.shape[0] <= DECODE_MAX_M:
+        return fp16_gemv(x, weight, residual, out)
+    _check(x, weight, residual)
+    with build.on_stream():
+        y = torch.matmul(x, weight.t(), out=out)  # [M, N]
+        if residual is not None:
+            y.add_(residual)  # rounded product, then an fp16 add: the reference model's two steps
+    return y
+
+
+def fp16_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV kernel for any M (it re-reads the weight once per 16 rows: meant for M <= 16)."""
+    M, K, N = _check(x, weight, residual)
+    with build.on_stream():
+        y = out_or_new(out, (M, N), torch.float16, x, "out", align=2)
+        if M == 0 or N == 0:
+            return y
+        res = "_res" if residual is not None else ""
+        fn = build.get_function("fp16_gemv.cu", f"fp16_gemv_mt{token_tile(M)}{res}", "PPPPiii")
+        fn(gemv_grid(M, N), (GEMV_THREADS,), y, x, weight, residual, M, N, K)
+    return y
+
+
+def fp16_linear_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 product rounded once to fp16, then the fp16 residual add."""
+    y = (x.double() @ weight.double().t()).to(torch.float16)  # [M, N]
+    return y if residual is None else y + residual
+
+
+def _check(x, weight, residual) -> tuple[int, int, int]:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise ValueError(f"x has K={K} but weight is {tuple(weight.shape)}")
+    check_multiple(K, 8, "the fp16 GEMV's K")
+    check_tensor(x, "x", torch.float16)
+    check_tensor(weight, "weight", torch.float16)
+    if residual is not None:
+        check_tensor(residual, "residual", torch.float16, (M, N), align=2)
+    return M, K, N

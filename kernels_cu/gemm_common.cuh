@@ -1,0 +1,167 @@
+// Device helpers of the GEMV/GEMM and attention kernels: streaming 16-byte loads, tensor-core mma.sync
+// wrappers, byte permutes, and the magic-number int -> fp16 conversions (FasterTransformer's trick).
+//
+// Fragment layouts (PTX ISA, mma.sync.aligned .row.col; g = lane / 4, t = lane % 4):
+//   m16n8k16 f16: A a0 (row g, k 2t..2t+1) a1 (row g+8, same k) a2 (row g, k 2t+8..) a3 (row g+8, k 2t+8..)
+//                 B b0 (k 2t..2t+1, col g) b1 (k 2t+8.., col g)
+//   m16n8k32 s8:  A a0 (row g, k 4t..4t+3) a1 (row g+8) a2 (row g, k 16+4t..) a3 (row g+8, k 16+4t..)
+//                 B b0 (k 4t..4t+3, col g) b1 (k 16+4t.., col g)
+//   C/D (both):   c0 c1 (row g, cols 2t, 2t+1)  c2 c3 (row g+8, cols 2t, 2t+1)
+// A dot product does not care in which order its k terms come, so every kernel here hands the mma its
+// k values in whatever order its 16-byte loads deliver them, as long as A and B use the same order.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace fllama {
+
+// Loads with a guard folded into the instruction (zero when !ok): no branches, so the scheduler keeps
+// every load of an unrolled step ahead of the first math that consumes one.
+// Weights are read exactly once: keep them out of L1 so activations and scales stay there.
+__device__ __forceinline__ uint4 ld_stream(const void* p, bool ok) {
+    uint4 v;
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+// The same without the zero fill, for lanes whose results are thrown away when !ok (the register then
+// holds whatever it held: it only ever feeds mma rows or columns that no lane writes out).
+__device__ __forceinline__ uint4 ld_stream_unfilled(const void* p, bool ok) {
+    uint4 v;
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+__device__ __forceinline__ uint2 ld_stream8(const void* p, bool ok) {
+    uint2 v;
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+        " mov.b32 %0, 0; mov.b32 %1, 0;\n"
+        " @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n}\n"
+        : "=r"(v.x), "=r"(v.y)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+// Small operands that many warps re-read (activations, scales, zeros): the read-only cached path.
+__device__ __forceinline__ uint4 ld_cached(const void* p, bool ok) {
+    uint4 v;
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+        " mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
+        " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+__device__ __forceinline__ uint2 ld_cached8(const void* p, bool ok) {
+    uint2 v;
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+        " mov.b32 %0, 0; mov.b32 %1, 0;\n"
+        " @p ld.global.nc.v2.u32 {%0, %1}, [%2];\n}\n"
+        : "=r"(v.x), "=r"(v.y)
+        : "l"(p), "r"((int)ok));
+    return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is always a compile-time constant
+}
+
+__device__ __forceinline__ void mma_s8_16832(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// 2x2 transpose of fp16 pairs: (a.lo, b.lo) and (a.hi, b.hi).
+__device__ __forceinline__ uint32_t pair_lo(uint32_t a, uint32_t b) { return prmt(a, b, 0x5410); }
+__device__ __forceinline__ uint32_t pair_hi(uint32_t a, uint32_t b) { return prmt(a, b, 0x7632); }
+
+template <uint32_t LUT>
+__device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, %4;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(LUT));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// ---- int4 (AutoAWQ packing) -> fp16 --------------------------------------------------------------
+// AWQ packs column 8c + [0,2,4,6,1,3,5,7][i] into nibble i of word c, so nibbles (p, p+4) hold the
+// adjacent columns (2p, 2p+1). (w & 0x000f000f) | 0x6400 6400 reads nibbles 0 and 4 as the halves
+// 1024 + n; the mask 0x00f000f0 gives 1024 + 16 n (nibbles 1 and 5); w >> 8 repeats for 2/6 and 3/7.
+constexpr uint32_t LOP3_AND_OR = (0xF0 & 0xCC) | 0xAA;  // (a & b) | c
+constexpr uint32_t FP16_1024 = 0x64006400;
+constexpr uint32_t FP16_960 = 0x63806380;
+constexpr uint32_t FP16_ONE_SIXTEENTH = 0x2c002c00;
+
+// Per group and packed zero word: the four fp16 pairs that turn the magic values into q - z exactly.
+// Pairs 0 and 2 are subtracted (1024 + q) - (1024 + z); pairs 1 and 3 are added after the 1/16 scaling
+// (64 + q) + (960 - (1024 + z)). Every intermediate is an integer below 2048: fp16 holds them exactly.
+__device__ __forceinline__ void awq_zero_terms(uint32_t zw, __half2 (&zz)[4]) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const __half2 zm = bits_h2(lop3<LOP3_AND_OR>(zw >> (4 * p), 0x000f000f, FP16_1024));  // 1024 + z
+        zz[p] = (p & 1) ? __hsub2(bits_h2(FP16_960), zm) : zm;
+    }
+}
+
+// One packed word -> the fp16 pairs w_hat = (q - z) * s of columns (0,1) (2,3) (4,5) (6,7):
+// q - z is exact; the product with s rounds once in fp16, as the reference dequantizer does.
+__device__ __forceinline__ void awq_dequant_word(uint32_t qw, const __half2 (&zz)[4], const uint4& s,
+                                                 uint32_t (&out)[4]) {
+    const uint32_t hi = qw >> 8;
+    const __half2 q0 = bits_h2(lop3<LOP3_AND_OR>(qw, 0x000f000f, FP16_1024));
+    const __half2 q1 = bits_h2(lop3<LOP3_AND_OR>(qw, 0x00f000f0, FP16_1024));
+    const __half2 q2 = bits_h2(lop3<LOP3_AND_OR>(hi, 0x000f000f, FP16_1024));
+    const __half2 q3 = bits_h2(lop3<LOP3_AND_OR>(hi, 0x00f000f0, FP16_1024));
+    const __half2 sixteenth = bits_h2(FP16_ONE_SIXTEENTH);
+    out[0] = h2_bits(__hmul2_rn(__hsub2(q0, zz[0]), bits_h2(s.x)));
+    out[1] = h2_bits(__hmul2_rn(__hfma2(q1, sixteenth, zz[1]), bits_h2(s.y)));
+    out[2] = h2_bits(__hmul2_rn(__hsub2(q2, zz[2]), bits_h2(s.z)));
+    out[3] = h2_bits(__hmul2_rn(__hfma2(q3, sixteenth, zz[3]), bits_h2(s.w)));
+}
+
+// ---- int8 -> fp16 (exact) ------------------------------------------------------------------------
+// Bias to unsigned (x ^ 0x80), place each byte under the exponent byte 0x64 (1024 + u), then subtract
+// 1152 = 1024 + 128: the fp16 value of the signed byte. Natural byte order in, natural pairs out.
+__device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+    const uint32_t u = w ^ 0x80808080u;
+    const __half2 bias = bits_h2(0x64806480u);
+    lo = h2_bits(__hsub2(bits_h2(prmt(u, 0x64646464u, 0x4140)), bias));  // bytes 0, 1
+    hi = h2_bits(__hsub2(bits_h2(prmt(u, 0x64646464u, 0x4342)), bias));  // bytes 2, 3
+}
+
+}  // namespace fllama

@@ -1,0 +1,160 @@
+// W8A8 GEMM with the dequant epilogue: y[m, n] = fp16((float(acc) * a_scale[m]) * w_scale[n]) (+ residual),
+// acc[m, n] = sum_k q_x[m, k] * qweight[n, k] in exact int32.
+//
+// int8_gemv_mt{1,2}[_res]: the decode kernel (memory-bound; every weight byte is read once per 8*MT tokens).
+//   Block = 8 warps owning 16 output channels; the warps split K and meet in shared memory.
+//   Per 64-wide k tile a lane loads 16 bytes of weight row g and of row g + 8 and 16 bytes of activation
+//   row g (per 8-token tile) and feeds two m16n8k32 s8 mma: the weights are the A operand (16 channels),
+//   the tokens the B operand (8 tokens), so D = y^T and M <= 8 wastes no weight bandwidth. The lane's 16
+//   contiguous bytes are split 8 + 8 over the two mma (a0/a2 = bytes 0-3/4-7 then 8-11/12-15), and the
+//   activations are split the same way, which is all the dot product needs.
+//   grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
+// int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
+//   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
+#include "gemm_common.cuh"
+
+using namespace fllama;
+
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int UNROLL = 4;  // 64-wide k tiles in flight per warp: 8 x 16-byte weight loads per lane
+constexpr int TILE_K = 64;
+
+__device__ __forceinline__ __half epilogue(int acc, float a_scale, float w_scale, const __half* residual) {
+    // Two roundings in this order, like calibrate.int8.int8_gemm_ref; the residual is added after the
+    // fp16 rounding, as the reference model adds two fp16 tensors.
+    const __half y = __float2half_rn(__fmul_rn(__fmul_rn((float)acc, a_scale), w_scale));
+    return residual ? __hadd_rn(y, *residual) : y;
+}
+
+template <int MT, bool RESIDUAL>
+__device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* __restrict__ qx,
+                                          const float* __restrict__ a_scale, int a_stride,
+                                          const int8_t* __restrict__ qweight, const float* __restrict__ w_scale,
+                                          const __half* __restrict__ residual, int M, int N, int K) {
+    __shared__ int red[WARPS][MT][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const int m0 = blockIdx.y * 8 * MT;
+
+    const bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
+    const int8_t* w_lo = qweight + (size_t)(lo_ok ? n0 + g : 0) * K + 16 * t;
+    const int8_t* w_hi = qweight + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + 16 * t;
+    bool x_ok[MT];
+    const int8_t* x_row[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = m0 + mt * 8 + g;
+        x_ok[mt] = m < M;
+        x_row[mt] = qx + (size_t)(x_ok[mt] ? m : 0) * K + 16 * t;
+    }
+
+    int acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mt][r] = 0;
+
+    // Software pipeline: the loads of the next step are issued before the mma of this one (ptxas would
+    // otherwise sink each load next to its mma and keep only a quarter of them in flight).
+    const int tiles = (K + TILE_K - 1) / TILE_K;
+    uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
+    auto load_step = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL], uint4 (&xs)[UNROLL][MT]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (base + u) * TILE_K;
+            const bool k_ok = k + 16 * t < K;  // K % 16 == 0: a lane's 16 bytes are all in or all out
+            l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
+            h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k_ok && x_ok[mt]);
+        }
+    };
+    load_step(warp * UNROLL, wl, wh, xv);
+    for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
+        uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
+        load_step(base + WARPS * UNROLL, nl, nh, nx);  // past the end: all guards false, no traffic
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    mma_s8_16832(acc[mt], word(wl[u], 2 * s), word(wh[u], 2 * s), word(wl[u], 2 * s + 1),
+                                 word(wh[u], 2 * s + 1), word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            wl[u] = nl[u];
+            wh[u] = nh[u];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xv[u][mt] = nx[u][mt];
+        }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
+    __syncthreads();
+
+    // MT * 128 partial sums per warp; 256 threads take one each (MT <= 2).
+    if (threadIdx.x >= MT * 128) return;
+    const int mt = threadIdx.x >> 7, r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
+    int sum = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += red[w][mt][r][l];
+    const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
+    const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+    if (n < N && m < M) {
+        const size_t o = (size_t)m * N + n;
+        y[o] = epilogue(sum, a_scale[(size_t)m * a_stride], w_scale[n], RESIDUAL ? residual + o : nullptr);
+    }
+}
+
+template <bool RESIDUAL>
+__device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* __restrict__ acc,
+                                             const float* __restrict__ a_scale, int a_stride,
+                                             const float* __restrict__ w_scale,
+                                             const __half* __restrict__ residual, int M, int N) {
+    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;  // N % 4 == 0
+    if (i >= (size_t)M * N) return;
+    const int m = (int)(i / N), n = (int)(i % N);
+    const int4 a = *reinterpret_cast<const int4*>(acc + i);
+    const float4 ws = *reinterpret_cast<const float4*>(w_scale + n);
+    const float as = a_scale[(size_t)m * a_stride];
+    __half h[4];
+    h[0] = epilogue(a.x, as, ws.x, RESIDUAL ? residual + i : nullptr);
+    h[1] = epilogue(a.y, as, ws.y, RESIDUAL ? residual + i + 1 : nullptr);
+    h[2] = epilogue(a.z, as, ws.z, RESIDUAL ? residual + i + 2 : nullptr);
+    h[3] = epilogue(a.w, as, ws.w, RESIDUAL ? residual + i + 3 : nullptr);
+    *reinterpret_cast<uint2*>(y + i) = *reinterpret_cast<const uint2*>(h);
+}
+
+}  // namespace
+
+// Arguments of every gemv entry: (y fp16 [M,N], q_x int8 [M,K], a_scale f32 [M or 1], int a_stride (1 or 0),
+//   qweight int8 [N,K], w_scale f32 [N], residual fp16 [M,N] or null, int M, int N, int K)
+#define FLLAMA_INT8_GEMV(NAME, MT, RES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,      \
+             const float* w_scale, const __half* residual, int M, int N, int K) {                          \
+        int8_gemv<MT, RES>(y, qx, a_scale, a_stride, qweight, w_scale, residual, M, N, K);                 \
+    }
+
+FLLAMA_INT8_GEMV(int8_gemv_mt1, 1, false)
+FLLAMA_INT8_GEMV(int8_gemv_mt2, 2, false)
+FLLAMA_INT8_GEMV(int8_gemv_mt1_res, 1, true)
+FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, true)
+
+// (y fp16 [M,N], acc int32 [M,N], a_scale f32 [M or 1], int a_stride, w_scale f32 [N], residual or null, M, N)
+#define FLLAMA_INT8_DEQUANT(NAME, RES)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        NAME(__half* y, const int* acc, const float* a_scale, int a_stride, const float* w_scale,         \
+             const __half* residual, int M, int N) {                                                       \
+        int8_dequant<RES>(y, acc, a_scale, a_stride, w_scale, residual, M, N);                             \
+    }
+
+FLLAMA_INT8_DEQUANT(int8_dequant, false)
+FLLAMA_INT8_DEQUANT(int8_dequant_res, true)

@@ -1,0 +1,184 @@
+"""GPU micro-benchmark of the GEMV and decode-attention kernels: `python -m kernels_cu.microbench`.
+
+Per LLaMA-2-7B shape and M in (1, 8, 16): the kernel's time, the bytes it must move (weights once,
+activations and outputs), GB/s, and the percentage of the device-to-device copy bandwidth measured here
+(bytes read + bytes written); beside it, torch (cuBLAS) on the same shape. Decode attention at contexts
+512 and 4096 against torch's SDPA. Each timing replays a CUDA graph of REPS calls that rotate over enough
+weight copies to overflow L2; the median over replays after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels_cu import build
+from kernels_cu.attention_decode import attention_decode
+from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
+from kernels_cu.fp16_gemv import fp16_gemv
+from kernels_cu.int8_gemm import int8_gemm
+
+SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
+REPS = 20  # calls per graph
+REPLAYS = 60  # timed replays (median)
+L2_FACTOR = 3  # weight copies span at least this many times the L2
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    m: int
+    us: float
+    gbps: float
+    pct_copy: float
+    torch_us: float | None
+    torch_what: str
+
+
+def time_graph(fn: Callable[[int], object], n_copies: int) -> float:
+    """Microseconds per call of fn(i) (i rotates over the copies), from CUDA-graph replays."""
+    ts = build.torch_stream()
+    with build.on_stream():
+        for i in range(3):
+            fn(i % n_copies)  # compile, allocate, warm caches of code
+        ts.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=ts):
+            for i in range(REPS):
+                fn(i % n_copies)
+        for _ in range(5):
+            g.replay()
+        times = []
+        for _ in range(REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(ts)
+            g.replay()
+            end.record(ts)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / REPS)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy in GB/s, counting bytes read plus bytes written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    us = time_graph(lambda i: dst.copy_(src), 1)
+    return 2 * n / us / 1e3
+
+
+def copies_for(nbytes: int) -> int:
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(16, -(-L2_FACTOR * l2 // max(nbytes, 1))))
+
+
+def bench_int8(m: int, k: int, n: int, bw: float) -> Row:
+    nc = copies_for(n * k)
+    w = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda") for _ in range(nc)]
+    ws = torch.rand(n, device="cuda") * 0.01 + 1e-3
+    x = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda")
+    a = torch.rand(m, device="cuda") * 0.01 + 1e-3
+    us = time_graph(lambda i: int8_gemm(x, a, w[i], ws), nc)
+    nbytes = n * k + m * k + n * 4 + m * n * 2
+    # cuBLAS int8 needs M > 16: torch._int_mm at M = 17 is the closest torch can do
+    xi = torch.randint(-127, 128, (17, k), dtype=torch.int8, device="cuda")
+    t_us = time_graph(lambda i: torch._int_mm(xi, w[i].t()), nc)
+    return Row("int8", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "_int_mm M=17")
+
+
+def bench_fp16(m: int, k: int, n: int, bw: float) -> Row:
+    nc = copies_for(2 * n * k)
+    w = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(nc)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    us = time_graph(lambda i: fp16_gemv(x, w[i]), nc)
+    t_us = time_graph(lambda i: torch.matmul(x, w[i].t()), nc)
+    nbytes = 2 * (n * k + m * k + m * n)
+    return Row("fp16", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "cuBLAS fp16")
+
+
+def bench_awq(m: int, k: int, n: int, bw: float, group: int = 128, splits: int | None = None) -> Row:
+    nbytes_w = k * n // 2 + (k // group) * n * 2.5
+    nc = copies_for(int(nbytes_w))
+    qw = [torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda") for _ in range(nc)]
+    qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
+    sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    us = time_graph(lambda i: awq_gemm(x, qw[i], qz, sc, splits=splits), nc)
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies_for(2 * n * k))]
+    t_us = time_graph(lambda i: torch.matmul(x, w16[i].t()), len(w16))
+    nbytes = nbytes_w + 2 * (m * k + m * n)
+    tag = f"awq g{group}" + (f" s{splits}" if splits else "")
+    return Row(tag, f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "cuBLAS fp16")
+
+
+def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
+    qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
+    qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
+    sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
+    out = torch.empty(k, n, dtype=torch.float16, device="cuda")
+    us = time_graph(lambda i: awq_dequantize(qw, qz, sc, out=out), 1)
+    nbytes = k * n // 2 + 2 * k * n
+    return Row("awq dequant", f"{k}x{n}", 0, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+
+
+def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: int = 128) -> Row:
+    L = ctx
+    k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16)
+    q = torch.randn(b, h, d, device="cuda", dtype=torch.float16)
+    lengths = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    us = time_graph(lambda i: attention_decode(q, k, v, lengths), 1)
+    q4 = q.unsqueeze(2)  # [B, H, 1, D]
+    kx, vx = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    t_us = time_graph(lambda i: F.scaled_dot_product_attention(q4, kx, vx), 1)
+    nbytes = 2 * b * hkv * ctx * d * 2
+    return Row("attn decode", f"B{b} ctx{ctx}", b, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "SDPA")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,8,16", help="token counts for the GEMV rows")
+    ap.add_argument("--only", default="fp16,int8,awq,attn,dequant", help="which groups to run")
+    ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
+    ap.add_argument("--json", default="", help="write the rows to this file")
+    args = ap.parse_args(argv)
+    build.require_cuda()
+    only = set(args.only.split(","))
+    ms = [int(v) for v in args.ms.split(",")]
+    bw = copy_bandwidth()
+    info = build.device_info()
+    print(f"{info['name']} ({info['sm_count']} SMs), driver {info['driver_version']}; copy bandwidth {bw:.0f} GB/s")
+    rows: list[Row] = []
+    for m in ms:
+        for name, k, n in SHAPES_7B:
+            if "fp16" in only:
+                rows.append(bench_fp16(m, k, n, bw))
+            if "int8" in only:
+                rows.append(bench_int8(m, k, n, bw))
+            if "awq" in only:
+                rows.append(bench_awq(m, k, n, bw))
+                for s in filter(None, args.awq_splits.split(",")):
+                    rows.append(bench_awq(m, k, n, bw, splits=int(s)))
+    if "dequant" in only:
+        rows += [bench_awq_dequant(k, n, bw) for _, k, n in SHAPES_7B]
+    if "attn" in only:
+        rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
+    print(f"{'op':<14}{'shape':<14}{'M':>4}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
+    for r in rows:
+        t = f"{r.torch_us:10.2f}  {r.torch_us / r.us:.2f}x {r.torch_what}" if r.torch_us else ""
+        print(f"{r.op:<14}{r.shape:<14}{r.m:>4}{r.us:9.2f}{r.gbps:8.0f}{r.pct_copy:7.1f}{t}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": info, "copy_gbps": bw, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+// Per-token int8 quantization of an fp16 matrix [T, K] (the o_proj input), one block per row.
+//   dynamic: amax = max|x| over the row, a_scale[t] = amax / 127
+//   static:  amax = *static_amax (one fp32 on the device, so a captured graph keeps reading it),
+//            a_scale[t] = amax / 127 as well, so the int8 GEMM always reads a per-row scale
+//   q = clamp(rint(x * (127 / amax)), -127, 127), amax clamped to >= 1e-8 (IEEE division, no fast math)
+// Entry points quantize_<dyn|static>_nv<NV>(q int8 [T,K], a_scale f32 [T], static_amax f32 [1],
+//                                          x fp16 [T,K], int K)
+#include "common.cuh"
+
+using namespace fllama;
+
+template <int NV, int QMODE>
+__device__ __forceinline__ void quantize_row(int8_t* __restrict__ q, float* __restrict__ a_scale,
+                                             const float* __restrict__ static_amax,
+                                             const __half* __restrict__ x, int K) {
+    __shared__ float scratch[32];
+    const int n_vec = K / 8;
+    const size_t row = blockIdx.x;
+    const size_t base = row * (size_t)K;
+    Half8 v[NV];
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < n_vec) {
+            v[j] = load_half8(x + base + 8 * c);
+            amax = fmaxf(amax, half8_absmax(v[j]));
+        }
+    }
+    amax = clamp_amax(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax);
+    const float inv = __fdiv_rn(127.0f, amax);
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < n_vec) quantize_store8(q + base + 8 * c, v[j], inv);
+    }
+    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = __fdiv_rn(amax, 127.0f);
+}
+
+#define FLLAMA_QUANTIZE_ENTRY(NAME, NV, QMODE)                                                          \
+    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                  \
+        quantize_##NAME##_nv##NV(int8_t* q, float* a_scale, const float* static_amax, const __half* x, \
+                                 int K) {                                                               \
+        quantize_row<NV, QMODE>(q, a_scale, static_amax, x, K);                                         \
+    }
+
+#define FLLAMA_QUANTIZE_VARIANTS(NV)                 \
+    FLLAMA_QUANTIZE_ENTRY(dyn, NV, QUANT_DYNAMIC)    \
+    FLLAMA_QUANTIZE_ENTRY(static, NV, QUANT_STATIC)
+
+FLLAMA_QUANTIZE_VARIANTS(1)
+FLLAMA_QUANTIZE_VARIANTS(2)
+FLLAMA_QUANTIZE_VARIANTS(4)
+FLLAMA_QUANTIZE_VARIANTS(8)

@@ -1,0 +1,59 @@
+"""Per-token int8 quantization of an fp16 matrix (quantize.cu) and the rounding rule every int8 kernel shares.
+
+The rule (dynamic per row, or static with one amax for the tensor):
+    amax = max(max|x| over the row, 1e-8)     or  max(static_amax, 1e-8)
+    q    = clamp(round_half_even(x * (127 / amax)), -127, 127)     int8, fp32 arithmetic, IEEE division
+    a_scale[row] = amax / 127                                          fp32, written in both modes
+so x ~= q * a_scale[row]. The kernels reproduce quantize_ref bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels_cu import build
+from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+
+MIN_AMAX = 1e-8
+
+
+def quantize_ref(x: torch.Tensor, static_amax: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (any float dtype; fp16 values are used as they are) -> (q int8 [T, K], a_scale fp32 [T])."""
+    x32 = x.float()
+    if static_amax is None:
+        amax = x32.abs().amax(dim=-1).clamp_min(MIN_AMAX)  # [T]
+    else:
+        a = torch.as_tensor(static_amax, dtype=torch.float32, device=x.device).reshape(())
+        amax = a.clamp_min(MIN_AMAX).expand(x.shape[0])  # [T]
+    # tensor / tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply
+    c127 = torch.full_like(amax, 127.0)
+    inv = c127 / amax  # [T] IEEE fp32 division, as the kernel's __fdiv_rn
+    q = torch.round(x32 * inv[:, None]).clamp(-127, 127).to(torch.int8)  # [T, K]
+    return q, amax / c127
+
+
+def dequantize_ref(q: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * a_scale[:, None]  # [T, K]
+
+
+def quantize(x: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
+             a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 x [T, K] -> (q int8 [T, K], a_scale fp32 [T]); static_amax: fp32 tensor of one element on the GPU."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got shape {tuple(x.shape)}")
+    T, K = x.shape
+    check_multiple(K, 8, "the quantized width")
+    check_tensor(x, "x", torch.float16)
+    if static_amax is not None:
+        check_tensor(static_amax, "static_amax", torch.float32, align=4)
+        if static_amax.numel() != 1:
+            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    q = out_or_new(q, (T, K), torch.int8, x, "q", align=8)
+    a_scale = out_or_new(a_scale, (T,), torch.float32, x, "a_scale", align=4)
+    if T == 0:
+        return q, a_scale
+    nv, threads = row_launch(K // 8)
+    mode = "dyn" if static_amax is None else "static"
+    fn = build.get_function("quantize.cu", f"quantize_{mode}_nv{nv}", "PPPPi")
+    fn((T,), (threads,), q, a_scale, static_amax, x, K)
+    return q, a_scale

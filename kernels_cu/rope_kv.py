@@ -1,0 +1,114 @@
+"""RoPE fused with the KV-cache write (rope_kv.cu).
+
+Inputs: the fused QKV output qkv fp16 [T, (n_heads + 2*n_kv) * head_dim] (q heads, then k heads, then
+v heads), a table cos_sin fp32 [max_pos, head_dim] from rope_table(), and int32 pos [T] / row [T] on the
+device (so one captured decode graph serves every step). Outputs: q rotated into q_out fp16
+[T, n_heads, head_dim]; k rotated and v as they are into the caches at (row[t], head, pos[t]).
+
+KV-cache layouts (what the attention kernels read):
+    fp16:  k_cache, v_cache  fp16 [B, n_kv, max_len, head_dim]
+    int8:  k_cache, v_cache  int8 [B, n_kv, max_len, head_dim]
+           k_scale, v_scale  fp32 [B, n_kv, max_len]   one scale per (row, head, position):
+           amax = max(max|k| over head_dim, 1e-8); q = clamp(rint(k * (127 / amax)), +-127);
+           scale = amax / 127; so k ~= q * scale (quantize.quantize_ref's rule applied per head vector).
+
+Numerics match transformers (model_zoo.reference.apply_rope): cos/sin of fp32 frequencies cast to fp16,
+q*cos + rotate_half(q)*sin in fp16. A position outside the table gives q = 0 and no cache write; a position
+or row outside the cache gives no cache write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels_cu import build
+from kernels_cu.checks import check_multiple, check_tensor, out_or_new
+from kernels_cu.quantize import quantize_ref
+from model_zoo.errors import ConfigError
+from model_zoo.reference import rotate_half
+
+# q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row, nh, nkv, d, L, B, max_pos
+SIGNATURE = "PPPPPPPPPiiiiii"
+MAX_THREADS = 1024
+
+
+def rope_table(head_dim: int, theta: float, max_pos: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 [max_pos, head_dim]: cos then sin of pos * inv_freq, computed as transformers computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.arange(max_pos, device=device).float()[:, None] * inv_freq  # [P, d/2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, d]
+
+
+def _cos_sin_half(cos_sin: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    half = cos_sin.shape[1] // 2
+    rows = cos_sin[pos.long()]  # [T, d]
+    cos, sin = rows[:, :half], rows[:, half:]
+    return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)  # [T, d] each
+
+
+def rope_kv_ref(qkv: torch.Tensor, cos_sin: torch.Tensor, pos: torch.Tensor, n_heads: int, n_kv_heads: int,
+                compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) [T, heads, d] after RoPE. compute_dtype None: HF numerics in qkv's dtype; float64: the
+    same formula without intermediate roundings (cos/sin still taken from the fp32 table)."""
+    T = qkv.shape[0]
+    d = cos_sin.shape[1]
+    x = qkv.view(T, n_heads + 2 * n_kv_heads, d)
+    q, k, v = x.split([n_heads, n_kv_heads, n_kv_heads], dim=1)  # [T, heads, d]
+    dtype = compute_dtype or qkv.dtype
+    cos, sin = _cos_sin_half(cos_sin, pos, dtype)
+    cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 pos: torch.Tensor, row: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """Store k, v [T, n_kv, d] at (row[t], :, pos[t]); int8 caches get quantize_ref per head vector."""
+    r, p = row.long(), pos.long()
+    if k_cache.dtype == torch.int8:
+        T, n_kv, d = k.shape
+        for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            q, s = quantize_ref(src.reshape(T * n_kv, d))
+            cache[r, :, p] = q.view(T, n_kv, d)
+            scale[r, :, p] = s.view(T, n_kv)
+    else:
+        k_cache[r, :, p] = k.to(k_cache.dtype)
+        v_cache[r, :, p] = v.to(v_cache.dtype)
+
+
+def rope_kv(qkv: torch.Tensor, cos_sin: torch.Tensor, pos: torch.Tensor, row: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int,
+            q_out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q and k of every token, write k and v into the caches; returns q_out [T, n_heads, head_dim]."""
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [B, n_kv, max_len, head_dim], got {tuple(k_cache.shape)}")
+    B, n_kv, L, d = k_cache.shape
+    if n_kv != n_kv_heads:
+        raise ValueError(f"k_cache has {n_kv} heads, expected n_kv_heads={n_kv_heads}")
+    check_multiple(d, 16, "head_dim")
+    T = qkv.shape[0]
+    check_tensor(qkv, "qkv", torch.float16, (T, (n_heads + 2 * n_kv_heads) * d))
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != d:
+        raise ValueError(f"cos_sin must be [max_pos, {d}], got {tuple(cos_sin.shape)}")
+    check_tensor(cos_sin, "cos_sin", torch.float32)
+    check_tensor(pos, "pos", torch.int32, (T,), align=4)
+    check_tensor(row, "row", torch.int32, (T,), align=4)
+    int8 = k_cache.dtype == torch.int8
+    cache_dtype = torch.int8 if int8 else torch.float16
+    check_tensor(k_cache, "k_cache", cache_dtype, (B, n_kv, L, d))
+    check_tensor(v_cache, "v_cache", cache_dtype, (B, n_kv, L, d))
+    if int8:
+        if (d // 16) & (d // 16 - 1) or d > 512:
+            raise ConfigError(f"the int8 KV cache needs head_dim in 16, 32, ..., 512, got {d}")
+        check_tensor(k_scale, "k_scale", torch.float32, (B, n_kv, L), align=4)
+        check_tensor(v_scale, "v_scale", torch.float32, (B, n_kv, L), align=4)
+    q_out = out_or_new(q_out, (T, n_heads, d), torch.float16, qkv, "q_out")
+    if T:
+        units = (n_heads + 2 * n_kv_heads) * (d // 16)
+        threads = min(MAX_THREADS, -(-units // 32) * 32)
+        fn = build.get_function("rope_kv.cu", "rope_kv_i8" if int8 else "rope_kv_f16", SIGNATURE)
+        fn((T,), (threads,), q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row,
+           n_heads, n_kv_heads, d, L, B, cos_sin.shape[0])
+    return q_out

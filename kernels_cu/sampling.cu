@@ -1,0 +1,383 @@
+// Next-token sampling on the GPU, all state on the device so a decode step can be captured in a graph.
+//
+// One block of SAMPLE_THREADS per row b of logits [B, V] (fp16 or fp32):
+//   params  fp32 [B, 4]  temperature, top_k (an integer held in a float), top_p, repetition_penalty
+//   seen    uint8 [B, V] tokens already in the row; the kernel marks the token it samples
+//   finished int32 [B]   a finished row outputs eos_ids[0]; a row finishes when it samples any eos id
+//   rng     int64 [1+B]  rng[0] = seed, rng[1+b] = row b's draw counter, incremented by the kernel
+//   out     int32 [B]    the sampled token
+//
+// The order is model_zoo.sampling's: repetition penalty (HF: l > 0 ? l / p : l * p on seen tokens),
+// greedy (argmax, lowest index on ties) when temperature == 0 or top_k == 1, else divide by temperature,
+// keep the top_k largest (ties with the k-th kept), keep the smallest prefix of those in descending order
+// whose mass before each kept token is < top_p, and draw from the softmax of what is left.
+//   - top_k > 0 or top_p < 1: a radix select (8-bit digits, shared-memory histograms) finds the k-th
+//     largest value (k = top_k, or MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties)
+//     are bitonic-sorted in shared memory, and one warp scans them for the nucleus and the draw. With
+//     top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
+//     normalised over the whole vocabulary).
+//   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order.
+// Random numbers: Philox-4x32-10 keyed by the seed, counter (draw counter, row), so replays of one graph
+// draw fresh numbers and a row's stream does not depend on the batch it runs in.
+#include "common.cuh"
+
+using namespace fllama;
+
+constexpr int SAMPLE_THREADS = 1024;
+constexpr int MAX_K = 1024;
+constexpr int CAND_CAP = 2048;
+
+// ---------------------------------------------------------------- Philox-4x32-10
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+    constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const uint32_t hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
+        const uint32_t hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+        k.x += W0;
+        k.y += W1;
+    }
+    return c;
+}
+
+// Uniform in [0, 1) with 24 random bits.
+__device__ __forceinline__ float uniform01(unsigned long long seed, unsigned long long counter, int row) {
+    const uint4 ctr = make_uint4((uint32_t)counter, (uint32_t)(counter >> 32), (uint32_t)row, 0x5a3f1c27u);
+    const uint4 r = philox4x32_10(ctr, make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
+    return (float)(r.x >> 8) * (1.0f / 16777216.0f);
+}
+
+// ---------------------------------------------------------------- ordered keys
+
+// Monotone float -> uint32 map: a > b  <=>  key(a) > key(b) (for non-NaN values).
+__device__ __forceinline__ uint32_t float_key(float x) {
+    const uint32_t b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// ---------------------------------------------------------------- block helpers
+
+struct ArgMax {
+    float v;
+    int i;
+};
+
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+    return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+__device__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
+        a = better(a, other);
+    }
+    __syncthreads();
+    if (lane == 0) {
+        sv[warp] = a.v;
+        si[warp] = a.i;
+    }
+    __syncthreads();
+    a = lane < n_warps ? ArgMax{sv[lane], si[lane]} : ArgMax{-INFINITY, 0x7fffffff};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
+        a = better(a, other);
+    }
+    return a;
+}
+
+// Inclusive prefix sum over the block in thread order; incl[] (blockDim floats of shared memory) keeps
+// every thread's inclusive value so thread t's exclusive sum is exactly incl[t - 1].
+__device__ float block_inclusive_scan(float v, float* incl, float* warp_tot) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float n = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += n;
+    }
+    __syncthreads();
+    if (lane == 31) warp_tot[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < n_warps ? warp_tot[lane] : 0.0f;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float n = __shfl_up_sync(FULL_MASK, w, o);
+            if (lane >= o) w += n;
+        }
+        warp_tot[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) v += warp_tot[warp - 1];
+    incl[threadIdx.x] = v;
+    __syncthreads();
+    return v;
+}
+
+// ---------------------------------------------------------------- the row
+
+template <typename T>
+struct Row {
+    const T* logits;
+    const uint8_t* seen;
+    float penalty, inv_temp_div;  // inv_temp_div: the temperature (divided by, IEEE)
+    bool scaled;
+
+    __device__ __forceinline__ float penalised(int v) const {
+        float l = static_cast<float>(logits[v]);
+        if (penalty != 1.0f && seen[v]) l = l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty);
+        return l;
+    }
+    __device__ __forceinline__ float value(int v) const {
+        const float l = penalised(v);
+        return scaled ? __fdiv_rn(l, inv_temp_div) : l;
+    }
+};
+
+struct Shared {
+    float fv[32];
+    int fi[32];
+    int hist[256];
+    unsigned long long cand[CAND_CAP];
+    float incl[SAMPLE_THREADS];
+    int n_cand;
+    int pick;
+    uint32_t digit;
+    int remaining;
+    bool done;
+};
+
+// Warp 0 picks the bin holding the `remaining`-th largest key among 256 bins (descending order).
+__device__ void choose_digit(Shared& sh) {
+    const int lane = threadIdx.x & 31;
+    int cnt[8], local = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        cnt[j] = sh.hist[255 - (lane * 8 + j)];
+        local += cnt[j];
+    }
+    int incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += n;
+    }
+    int above = incl - local;  // keys in bins above this lane's 8 bins
+    const int need = sh.remaining;
+    if (above < need && need <= incl) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (above < need && need <= above + cnt[j]) {
+                sh.digit = 255 - (lane * 8 + j);
+                sh.remaining = need - above;
+                sh.done = cnt[j] == need - above;  // the whole bin is taken: lower digits need not be resolved
+            }
+            above += cnt[j];
+        }
+    }
+}
+
+template <typename T>
+__device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, int* __restrict__ finished,
+                           long long* __restrict__ rng, const T* __restrict__ logits,
+                           const float* __restrict__ params, const int* __restrict__ eos_ids, int n_eos, int V) {
+    __shared__ Shared sh;
+    const int b = blockIdx.x, tid = threadIdx.x;
+    if (finished[b]) {
+        if (tid == 0) out[b] = eos_ids[0];
+        return;
+    }
+    const float temperature = params[4 * b], top_p = params[4 * b + 2], penalty = params[4 * b + 3];
+    const int top_k = min(max(__float2int_rn(params[4 * b + 1]), 0), MAX_K);
+    Row<T> row{logits + (size_t)b * V, seen + (size_t)b * V, penalty, temperature, false};
+    const unsigned long long seed = (unsigned long long)rng[0];
+    const unsigned long long counter = (unsigned long long)rng[1 + b];
+    int token;
+
+    // max (and argmax, the greedy answer and the fallback of the draws)
+    row.scaled = !(temperature <= 0.0f || top_k == 1);
+    ArgMax best{-INFINITY, 0x7fffffff};
+    for (int v = tid; v < V; v += blockDim.x) {
+        const float x = row.value(v);
+        if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
+    }
+    best = block_argmax(best, sh.fv, sh.fi);
+    const int argmax = best.i < V ? best.i : 0;
+    const float m = best.v;
+
+    if (!row.scaled) {
+        token = argmax;
+    } else if (top_k == 0 && top_p >= 1.0f) {
+        // ---- the whole vocabulary, inverse CDF in index order over contiguous per-thread chunks
+        const int chunk = (V + blockDim.x - 1) / blockDim.x;
+        const int lo = min(V, tid * chunk), hi = min(V, lo + chunk);
+        float part = 0.0f;
+        for (int v = lo; v < hi; ++v) part += expf(row.value(v) - m);
+        const float incl = block_inclusive_scan(part, sh.incl, sh.fv);
+        const float excl = tid > 0 ? sh.incl[tid - 1] : 0.0f;
+        const float total = sh.incl[blockDim.x - 1];
+        float target = uniform01(seed, counter, b) * total;
+        if (target >= total) target = nextafterf(total, 0.0f);
+        if (tid == 0) sh.pick = 0x7fffffff;
+        __syncthreads();
+        if (excl <= target && target < incl) {
+            float run = excl;
+            int found = -1, last = -1;
+            for (int v = lo; v < hi; ++v) {
+                const float e = expf(row.value(v) - m);
+                if (e > 0.0f) last = v;
+                run += e;
+                if (run > target && e > 0.0f) {
+                    found = v;
+                    break;
+                }
+            }
+            found = found >= 0 ? found : last;
+            if (found >= 0) atomicMin(&sh.pick, found);
+        }
+        __syncthreads();
+        token = sh.pick != 0x7fffffff ? sh.pick : argmax;
+    } else {
+        // ---- top-k / top-p: radix-select the k-th largest key, gather, sort, scan
+        const int k = min(top_k > 0 ? top_k : MAX_K, V);
+        uint32_t prefix = 0, mask = 0;
+        if (k < V) {
+            if (tid == 0) {
+                sh.remaining = k;
+                sh.done = false;
+            }
+            for (int shift = 24; shift >= 0; shift -= 8) {
+                for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
+                __syncthreads();
+                for (int v = tid; v < V; v += blockDim.x) {
+                    const uint32_t key = float_key(row.value(v));
+                    if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1);
+                }
+                __syncthreads();
+                if (tid < 32) choose_digit(sh);
+                __syncthreads();
+                prefix |= sh.digit << shift;
+                mask |= 255u << shift;
+                if (sh.done) break;  // every key with this prefix is in: lower bits of the threshold stay 0
+            }
+        }
+        const uint32_t threshold = prefix;  // keys >= threshold: the top k and the ties with the k-th
+
+        // gather candidates and the softmax mass of the whole vocabulary
+        if (tid == 0) sh.n_cand = 0;
+        __syncthreads();
+        float z_part = 0.0f;
+        for (int v = tid; v < V; v += blockDim.x) {
+            const float x = row.value(v);
+            z_part += expf(x - m);
+            const uint32_t key = float_key(x);
+            if (key >= threshold && !isnan(x)) {
+                const int slot = atomicAdd(&sh.n_cand, 1);
+                if (slot < CAND_CAP)
+                    sh.cand[slot] = ((unsigned long long)key << 32) | (0xffffffffu - (uint32_t)v);
+            }
+        }
+        const float z_full = block_sum(z_part, sh.fv);
+        const int n = min(sh.n_cand, CAND_CAP);
+        int n2 = 1;
+        while (n2 < n) n2 <<= 1;
+        for (int i = n + tid; i < n2; i += blockDim.x) sh.cand[i] = 0ull;
+        __syncthreads();
+        // bitonic sort, descending: largest key first, lowest index first among equal keys
+        for (int size = 2; size <= n2; size <<= 1) {
+            for (int stride = size >> 1; stride > 0; stride >>= 1) {
+                for (int i = tid; i < n2 / 2; i += blockDim.x) {
+                    const int a = 2 * stride * (i / stride) + (i % stride), c = a + stride;
+                    const bool desc = (a & size) == 0;
+                    const unsigned long long x = sh.cand[a], y = sh.cand[c];
+                    if (desc ? x < y : x > y) {
+                        sh.cand[a] = y;
+                        sh.cand[c] = x;
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        if (tid < 32) {
+            // one warp: lane l scans candidates [l*cs, l*cs + cs) in sorted order
+            const int lane = tid, cs = (n + 31) / 32;
+            const int c0 = min(n, lane * cs), c1 = min(n, c0 + cs);
+            float local = 0.0f;
+            for (int i = c0; i < c1; ++i) local += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+            float incl = local;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const float t = __shfl_up_sync(FULL_MASK, incl, o);
+                if (lane >= o) incl += t;
+            }
+            float excl = __shfl_up_sync(FULL_MASK, incl, 1);
+            if (lane == 0) excl = 0.0f;
+            const float z_k = __shfl_sync(FULL_MASK, incl, 31);
+            const float z = top_k > 0 ? z_k : z_full;
+            // nucleus: keep i while the mass before it is < top_p (a prefix of the sorted candidates)
+            int kept = n;
+            if (top_p < 1.0f) {
+                const float limit = top_p * z;
+                int cnt = 0;
+                float run = excl;
+                for (int i = c0; i < c1; ++i) {
+                    if (run < limit) ++cnt;
+                    run += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL_MASK, cnt, o);
+                kept = max(cnt, 1);
+            }
+            float s_part = 0.0f;
+            for (int i = c0; i < min(c1, kept); ++i) s_part += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+            const float s = warp_sum(s_part);
+            float target = uniform01(seed, counter, b) * s;
+            if (target >= s) target = nextafterf(s, 0.0f);
+            int found = 0x7fffffff;
+            float run = excl;
+            for (int i = c0; i < min(c1, kept); ++i) {
+                run += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+                if (run > target) {
+                    found = i;
+                    break;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) found = min(found, __shfl_xor_sync(FULL_MASK, found, o));
+            if (lane == 0) {
+                const int i = found != 0x7fffffff ? found : kept - 1;
+                sh.pick = n > 0 ? (int)(0xffffffffu - (uint32_t)(sh.cand[i] & 0xffffffffull)) : argmax;
+            }
+        }
+        __syncthreads();
+        token = sh.pick;
+    }
+
+    if (tid == 0) {
+        out[b] = token;
+        seen[(size_t)b * V + token] = 1;
+        for (int i = 0; i < n_eos; ++i)
+            if (eos_ids[i] == token) finished[b] = 1;
+        rng[1 + b] = (long long)(counter + 1);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_f16(int* out, uint8_t* seen, int* finished, long long* rng, const __half* logits, const float* params,
+               const int* eos_ids, int n_eos, int V) {
+    sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_f32(int* out, uint8_t* seen, int* finished, long long* rng, const float* logits, const float* params,
+               const int* eos_ids, int n_eos, int V) {
+    sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V);
+}

@@ -1,0 +1,117 @@
+"""Sampling on the GPU (sampling.cu): greedy, temperature, top-k, top-p, repetition penalty, per-row finished
+flags and a device-side Philox random state, so a whole decode step (sampling included) replays as one graph.
+
+Device state (GpuSampler owns it; `sample` is the bare launcher):
+    params   fp32 [B, 4]   temperature, top_k, top_p, repetition_penalty per row (values change, buffer stays)
+    seen     uint8 [B, V]  tokens in each row so far (prompt via observe(); the kernel marks what it samples)
+    finished int32 [B]     finished rows output eos_ids[0]; sampling any eos id finishes a row
+    rng      int64 [1 + B] seed, then one draw counter per row (the kernel increments it)
+Semantics follow model_zoo.sampling.TorchSampler (penalty, then greedy or temperature -> top-k -> top-p ->
+softmax draw). Limits: top_k <= MAX_TOP_K; with top_p alone the nucleus is searched among the MAX_TOP_K
+largest logits (exact whenever the nucleus holds fewer tokens); ties at the k-th value are kept as in
+torch, up to 2048 candidates.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kernels_cu import build
+from kernels_cu.checks import check_tensor
+from model_zoo.errors import ConfigError
+from model_zoo.sampling import SamplingConfig, apply_repetition_penalty, filter_top_k_top_p
+
+SIGNATURE = "PPPPPPPii"  # out, seen, finished, rng, logits, params, eos_ids, n_eos, V
+THREADS = 1024
+MAX_TOP_K = 1024
+
+
+def params_row(cfg: SamplingConfig) -> list[float]:
+    if cfg.top_k > MAX_TOP_K:
+        raise ConfigError(f"top-k on the GPU is limited to {MAX_TOP_K}, got {cfg.top_k}")
+    return [cfg.temperature, float(cfg.top_k), cfg.top_p, cfg.repetition_penalty]
+
+
+def params_tensor(cfgs: SamplingConfig | Sequence[SamplingConfig], batch: int) -> torch.Tensor:
+    """fp32 [B, 4] on the CPU: one config for every row, or one per row."""
+    rows = [cfgs] * batch if isinstance(cfgs, SamplingConfig) else list(cfgs)
+    if len(rows) != batch:
+        raise ValueError(f"{len(rows)} sampling configs for a batch of {batch}")
+    return torch.tensor([params_row(c) for c in rows], dtype=torch.float32)  # [B, 4]
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
+           rng: torch.Tensor, eos_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits fp16/fp32 [B, V] -> tokens int32 [B]; updates seen, finished and the rng counters in place."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    B, V = logits.shape
+    check_tensor(logits, "logits", (torch.float16, torch.float32), align=logits.element_size())
+    check_tensor(params, "params", torch.float32, (B, 4), align=4)
+    check_tensor(seen, "seen", torch.uint8, (B, V), align=1)
+    check_tensor(finished, "finished", torch.int32, (B,), align=4)
+    check_tensor(rng, "rng", torch.int64, (1 + B,), align=8)
+    if eos_ids.dim() != 1 or eos_ids.numel() < 1:
+        raise ValueError("eos_ids must be a 1-D tensor holding at least one id")
+    check_tensor(eos_ids, "eos_ids", torch.int32, align=4)
+    if out is None:
+        out = torch.empty(B, dtype=torch.int32, device=logits.device)
+    check_tensor(out, "out", torch.int32, (B,), align=4)
+    if B:
+        name = "sample_f16" if logits.dtype == torch.float16 else "sample_f32"
+        fn = build.get_function("sampling.cu", name, SIGNATURE)
+        fn((B,), (THREADS,), out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V)
+    return out
+
+
+def sampling_probs_ref(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """The distribution each row is drawn from, fp64 [B, V] (one-hot for greedy rows), by model_zoo's rules."""
+    probs = []
+    for b in range(logits.shape[0]):
+        t, k, p, pen = (float(v) for v in params[b].tolist())
+        cfg = SamplingConfig(temperature=t, top_k=int(round(k)), top_p=p, repetition_penalty=pen)
+        row = apply_repetition_penalty(logits[b:b + 1].float(), seen[b:b + 1].bool(), pen)  # [1, V]
+        if cfg.greedy:
+            probs.append(torch.nn.functional.one_hot(row.argmax(-1), row.shape[-1]).double())
+        else:
+            temp = torch.full_like(row, t)  # tensor divisor: IEEE division, as the kernel
+            probs.append(filter_top_k_top_p(row / temp, cfg.top_k, p).double().softmax(-1))
+    return torch.cat(probs)  # [B, V]
+
+
+class GpuSampler:
+    """The device buffers of `sample` for a batch, with host-side setters that validate values."""
+
+    def __init__(self, batch: int, vocab: int, eos_ids: Sequence[int], device: torch.device | str = "cuda",
+                 seed: int = 0, config: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig()):
+        if not eos_ids:
+            raise ConfigError("GPU sampling needs at least one end-of-sequence id")
+        self.batch, self.vocab = batch, vocab
+        self.params = params_tensor(config, batch).to(device)  # [B, 4]
+        self.seen = torch.zeros(batch, vocab, dtype=torch.uint8, device=device)  # [B, V]
+        self.finished = torch.zeros(batch, dtype=torch.int32, device=device)  # [B]
+        self.rng = torch.zeros(1 + batch, dtype=torch.int64, device=device)  # [1 + B]
+        self.eos_ids = torch.tensor(list(eos_ids), dtype=torch.int32, device=device)  # [n_eos]
+        self.out = torch.zeros(batch, dtype=torch.int32, device=device)  # [B]
+        self.reset(seed)
+
+    def reset(self, seed: int) -> None:
+        """New sequences: clear seen/finished, reseed, restart the draw counters."""
+        self.seen.zero_()
+        self.finished.zero_()
+        self.rng.zero_()
+        self.rng[0] = seed & 0x7FFF_FFFF_FFFF_FFFF
+
+    def set_config(self, config: SamplingConfig | Sequence[SamplingConfig]) -> None:
+        self.params.copy_(params_tensor(config, self.batch))  # copy_, not rebind: graphs keep the pointer
+
+    def observe(self, row: int, tokens: Sequence[int]) -> None:
+        """Mark prompt tokens as seen (the penalty covers the prompt, as in transformers)."""
+        if tokens:
+            self.seen[row, torch.tensor(list(tokens), device=self.seen.device)] = 1
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> self.out int32 [B] (the same tensor each call, so a graph can read it)."""
+        return sample(logits, self.params, self.seen, self.finished, self.rng, self.eos_ids, self.out)

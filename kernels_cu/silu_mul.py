@@ -1,0 +1,66 @@
+"""SwiGLU activation (silu_mul.cu): silu(gate) * up from the fused gate|up output, optionally int8-quantized
+(dynamic per token or static per tensor, quantize.quantize_ref's rule) for the down projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels_cu import build
+from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.quantize import quantize_ref
+
+SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
+
+
+def silu_mul_ref(gate_up: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """gate_up [T, 2F] -> silu(gate) * up [T, F]; in gate_up's dtype as transformers does (compute_dtype None),
+    or entirely in compute_dtype (float64) as the high-precision oracle."""
+    g, u = gate_up.chunk(2, dim=-1)  # [T, F] each
+    if compute_dtype is not None:
+        g, u = g.to(compute_dtype), u.to(compute_dtype)
+    return F.silu(g) * u
+
+
+def silu_mul_quant_ref(gate_up: torch.Tensor, static_amax=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_ref(silu_mul_ref(gate_up), static_amax)
+
+
+def _check(gate_up: torch.Tensor) -> tuple[int, int]:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2F], got shape {tuple(gate_up.shape)}")
+    T, F2 = gate_up.shape
+    check_multiple(F2 // 2, 8, "the FFN size")
+    check_tensor(gate_up, "gate_up", torch.float16)
+    return T, F2 // 2
+
+
+def _launch(mode: str, T: int, F_: int, out=None, q=None, a_scale=None, static_amax=None, gate_up=None) -> None:
+    if T == 0:
+        return
+    if static_amax is not None:
+        check_tensor(static_amax, "static_amax", torch.float32, align=4)
+        if static_amax.numel() != 1:
+            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    nv, threads = row_launch(F_ // 8)
+    fn = build.get_function("silu_mul.cu", f"silu_mul_{mode}_nv{nv}", SIGNATURE)
+    fn((T,), (threads,), out, q, a_scale, static_amax, gate_up, F_)
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp16 gate_up [T, 2F] -> fp16 [T, F]."""
+    T, F_ = _check(gate_up)
+    out = out_or_new(out, (T, F_), torch.float16, gate_up, "out")
+    _launch("plain", T, F_, out=out, gate_up=gate_up)
+    return out
+
+
+def silu_mul_quant(gate_up: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                   a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 gate_up [T, 2F] -> (q int8 [T, F], a_scale fp32 [T])."""
+    T, F_ = _check(gate_up)
+    q = out_or_new(q, (T, F_), torch.int8, gate_up, "q", align=8)
+    a_scale = out_or_new(a_scale, (T,), torch.float32, gate_up, "a_scale", align=4)
+    _launch("dyn" if static_amax is None else "static", T, F_, q=q, a_scale=a_scale, static_amax=static_amax,
+            gate_up=gate_up)
+    return q, a_scale

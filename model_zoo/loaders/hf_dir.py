@@ -1,0 +1,111 @@
+"""Hugging Face model directories: config.json + safetensors (single or sharded) or pytorch_model*.bin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+from model_zoo.config import LlamaConfig
+from model_zoo.errors import CorruptCheckpointError, ModelSourceError
+from model_zoo.loaders.loaded_model import LoadedModel
+from model_zoo.loaders.tensors import cast_floats, check_state_dict, cut_config, stored_dtype, wanted
+from model_zoo.tokenizer import Tokenizer
+
+FLLAMA_META = "fllama_meta.json"  # written by fllama's exporter beside config.json
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelSourceError(f"{directory} has no config.json (expected a Hugging Face model directory)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CorruptCheckpointError(f"{path} does not hold a JSON object")
+    return cfg
+
+
+def hf_dir_config(directory: Path) -> LlamaConfig:
+    """The LlamaConfig of a directory (UnsupportedArchitectureError unless model_type is llama)."""
+    return LlamaConfig.from_hf(read_config_json(directory))
+
+
+def load_hf_dir(directory: Path, *, dtype: torch.dtype, n_layers: int | None = None, source: str | None = None,
+                kind: str = "hf-dir") -> LoadedModel:
+    raw = read_config_json(directory)
+    config = cut_config(LlamaConfig.from_hf(raw), n_layers)
+    stored = read_weights(directory, keep=lambda name: wanted(name, n_layers))
+    quant = raw.get("quantization_config")
+    check_state_dict(config, stored, quantized=quant is not None)
+    meta = {"quantization_config": quant, "fllama": _read_optional_json(directory / FLLAMA_META),
+            "dtype": stored_dtype(stored), "directory": str(directory)}
+    return LoadedModel(config=config, tokenizer=Tokenizer.from_dir(directory), state_dict=cast_floats(stored, dtype),
+                       source=source or str(directory), kind=kind, meta=meta)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The files holding the weights, in the order HF would read them."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = directory / index_name
+        if index.is_file():
+            return _shards_from_index(index)
+    for pattern in ("model.safetensors", "*.safetensors", "pytorch_model.bin", "pytorch_model*.bin"):
+        found = sorted(directory.glob(pattern))
+        if found:
+            return found
+    raise ModelSourceError(f"{directory} has config.json but no weights (model.safetensors, "
+                           "model-*-of-*.safetensors with an index, or pytorch_model*.bin)")
+
+
+def read_weights(directory: Path, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for path in weight_files(directory):
+        reader = _read_safetensors if path.suffix == ".safetensors" else _read_torch_bin
+        sd.update(reader(path, keep))
+    return sd
+
+
+def _shards_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{index} is not a valid shard index ({type(e).__name__}: {e})") from None
+    shards = [index.parent / name for name in dict.fromkeys(weight_map.values())]
+    for shard in shards:
+        if not shard.is_file():
+            raise CorruptCheckpointError(f"{index.name} lists the shard {shard.name}, which is missing")
+    return shards
+
+
+def _read_safetensors(path: Path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys() if keep(name)}
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on truncated files
+        raise CorruptCheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+
+
+def _read_torch_bin(path: Path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip, pickle and unpickler-safety errors alike
+        raise CorruptCheckpointError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(sd, dict):
+        raise CorruptCheckpointError(f"{path} does not hold a state dict")
+    return {k: v for k, v in sd.items() if keep(k) and isinstance(v, torch.Tensor)}
+
+
+def _read_optional_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({e})") from None

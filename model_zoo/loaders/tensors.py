@@ -1,0 +1,84 @@
+"""State-dict checks and conversions every loader applies (HF tensor names)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Mapping
+
+import torch
+
+from model_zoo.config import LlamaConfig
+from model_zoo.errors import ConfigError, CorruptCheckpointError
+from model_zoo.weights import LINEAR_NAMES, ModelWeights
+
+# Quantization scales keep their stored dtype (fp16 in AWQ / compressed-tensors checkpoints).
+SCALE_SUFFIXES = (".weight_scale", ".scales", ".input_scale")
+# Buffers some old checkpoints carry that are not parameters of the model.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def cut_config(config: LlamaConfig, n_layers: int | None) -> LlamaConfig:
+    """The config with only the first n_layers (for tests and quick runs); None keeps them all."""
+    if n_layers is None or n_layers == config.n_layers:
+        return config
+    if not 0 < n_layers <= config.n_layers:
+        raise ConfigError(f"n_layers must be in 1..{config.n_layers}, got {n_layers}")
+    return config.replace(n_layers=n_layers)
+
+
+def wanted(name: str, n_layers: int | None) -> bool:
+    """Whether a stored tensor is kept when loading the first n_layers (None: all, so extras get noticed)."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return False
+    i = layer_index(name)
+    return i is None or n_layers is None or i < n_layers
+
+
+def cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() and not k.endswith(SCALE_SUFFIXES) else v
+            for k, v in sd.items()}
+
+
+def stored_dtype(sd: Mapping[str, torch.Tensor]) -> str:
+    """The dtype of the linear layers' weights: 'bfloat16', 'int8' (W8A8) or 'int32' (packed int4)."""
+    linear = {k: v for k, v in sd.items() if "_proj." in k and k.endswith((".weight", ".qweight"))}
+    count: Counter[str] = Counter()
+    for v in (linear or sd).values():
+        count[str(v.dtype).removeprefix("torch.")] += v.numel()
+    return count.most_common(1)[0][0] if count else "unknown"
+
+
+def check_state_dict(config: LlamaConfig, sd: Mapping[str, torch.Tensor], quantized: bool) -> None:
+    """CorruptCheckpointError unless `sd` holds exactly config.n_layers complete layers (and shapes fit)."""
+    found = {i for i in map(layer_index, sd) if i is not None}
+    expected = set(range(config.n_layers))
+    if found != expected:
+        missing, extra = sorted(expected - found), sorted(found - expected)
+        what = f"lacks layers {_span(missing)}" if missing else f"has extra layers {_span(extra)}"
+        raise CorruptCheckpointError(f"the checkpoint {what}; the config says {config.n_layers} layers")
+    if not quantized:
+        ModelWeights.from_state_dict(config, sd)  # checks presence and every shape
+        return
+    # quantized linears store qweight/qzeros/scales or weight + weight_scale; their factories check shapes
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if config.tie_embeddings else ["lm_head.weight"])
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for _, path in LINEAR_NAMES:
+            if not any(k.startswith(p + path + ".") for k in sd):
+                raise CorruptCheckpointError(f"checkpoint lacks the tensors of {p + path!r}")
+    for name in names:
+        if name not in sd:
+            raise CorruptCheckpointError(f"checkpoint lacks the tensor {name!r}")
+
+
+def _span(ids: list[int]) -> str:
+    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) \
+        else ", ".join(map(str, ids))

