@@ -40,9 +40,9 @@ def calibration_windows(tokenizer, data: DataConfig, max_positions: int) -> torc
     return token_windows(ids, data.seq_len, need)  # [samples, seq_len]
 
 
-def calibrate_model(weights: ModelWeights, tokenizer, data: DataConfig, calib: CalibConfig,
+def calibrate_model(weights: ModelWeights, windows: torch.Tensor, data: DataConfig, calib: CalibConfig,
                     capture: CaptureConfig, source_name: str, progress: Progress | None = None) -> CalibStats:
-    windows = calibration_windows(tokenizer, data, weights.config.max_positions)
+    """windows [samples, seq_len] from calibration_windows(tokenizer, data, ...)."""
     points = capture_stats(weights, windows, calib.bins, capture, progress)
     meta = make_meta(weights.config, calib, source=data.source, samples=data.samples, seq_len=data.seq_len,
                      tokens=windows.numel(), model_source=source_name)

@@ -2,9 +2,159 @@
 
 from __future__ import annotations
 
-from model_zoo.errors import FllamaError
+import datetime
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fllama_cli.options import JsonOpt, ModelArg, RandomOpt, SeedOpt
+from model_zoo.errors import ConfigError, DeviceError
 
 
-def bench_cmd() -> None:
-    """Benchmark the GPU engine (fp16, int8, awq) against the bandwidth floor and torch.compile."""
-    raise FllamaError("fllama bench is not built yet")
+class Baseline(str, Enum):
+    torch = "torch"
+    none = "none"
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
+
+
+def bench_cmd(
+    model: ModelArg = None,
+    model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as MODEL (e.g. llama2-7b with --random).")] = None,
+    scheme: Annotated[str, typer.Option("--scheme", help="Comma-separated: fp16,int8,awq (random weights are quantized on the GPU).")] = "fp16,int8,awq",
+    batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes (1..64).")] = "1,8,32",
+    prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens per row (prefill).")] = 512,
+    gen_len: Annotated[int, typer.Option("--gen-len", help="Decode steps timed per repeat.")] = 128,
+    baseline: Annotated[Baseline, typer.Option("--baseline", help="torch: the reference model in fp16 under torch.compile with CUDA graphs.")] = Baseline.torch,
+    repeat: Annotated[int, typer.Option("--repeat", help="Repeats (medians and p90 are over them).")] = 3,
+    group_size: Annotated[int, typer.Option("--group-size", help="AWQ group size for random weights.")] = 128,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown to this file.")] = None,
+    random: RandomOpt = False,
+    seed: SeedOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure the GPU engine: copy bandwidth, then per scheme and batch size prefill tokens/s, time to first
+    token, decode tokens/s, ms per token (median, p90), effective GB/s and % of the measured bandwidth, peak
+    memory, and the same shapes under torch.compile as the baseline."""
+    from kernels_cu.bench import SCHEMES, BenchConfig, bench_baseline, bench_engine, copy_bandwidth, random_weights
+    from kernels_cu.build import device_info, require_cuda
+
+    if not torch.cuda.is_available():
+        raise DeviceError("fllama bench needs an NVIDIA GPU (none is visible to PyTorch)")
+    require_cuda()
+    source = model_opt or model
+    schemes = tuple(s.strip() for s in scheme.split(",") if s.strip())
+    for s in schemes:
+        if s not in SCHEMES:
+            raise ConfigError(f"unknown scheme {s!r}; schemes: {', '.join(SCHEMES)}")
+    cfg = BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
+                      group_size=group_size)
+    err = Console(stderr=True, highlight=False)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    info = device_info()
+    bw = copy_bandwidth(dev)
+    err.print(f"[dim]{info['name']} · driver {info.get('driver_version')} · copy bandwidth {bw / 1e12:.2f} TB/s[/]")
+
+    from kernels_cu.engine import Engine, EngineConfig
+    from fllama_cli.runtime import build_weights
+    from model_zoo.load import load_model
+
+    rows, base_rows = [], {}
+    config = None
+    for s in schemes:
+        if random:
+            from model_zoo.config import LlamaConfig
+            config = LlamaConfig.from_name(source or "llama2-7b")
+            weights = random_weights(config, s, dev, seed or 0, group_size)
+        else:
+            loaded = load_model(source)
+            config = loaded.config
+            weights = build_weights(loaded, torch.float16, "cpu")
+            if s != weights.meta.get("scheme", "fp16"):
+                raise ConfigError(f"{loaded.source} is a {weights.meta.get('scheme')} checkpoint; give --scheme "
+                                  f"{weights.meta.get('scheme')} or use --random for other schemes")
+        engine = Engine(weights, EngineConfig(max_batch=max(cfg.batches), max_len=prompt_len + gen_len + 1))
+        for b in cfg.batches:
+            err.print(f"[dim]engine {s} batch {b} ...[/]")
+            rows.append({"scheme": s, **bench_engine(engine, b, cfg, bw)})
+        if s == "fp16" and baseline == Baseline.torch:
+            for b in cfg.batches:
+                err.print(f"[dim]baseline torch.compile batch {b} (compiles first) ...[/]")
+                base_rows[b] = bench_baseline(weights, b, cfg)
+        del engine, weights
+        torch.cuda.empty_cache()
+    if baseline == Baseline.torch and not base_rows:
+        fp16 = random_weights(config, "fp16", dev, seed or 0) if random else build_weights(load_model(source), torch.float16, "cuda")
+        for b in cfg.batches:
+            base_rows[b] = bench_baseline(fp16, b, cfg)
+    for r in rows:
+        base = base_rows.get(r["batch"])
+        if base:
+            r["baseline_decode_tok_s"] = base["decode_tok_s"]
+            r["baseline_prefill_tok_s"] = base["prefill_tok_s"]
+            r["speedup_decode"] = r["decode_tok_s"] / base["decode_tok_s"]
+            r["speedup_prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
+    meta = {"gpu": info["name"], "driver": info.get("driver_version"), "date": datetime.date.today().isoformat(),
+            "model": source or "llama2-7b", "random": random, "copy_bandwidth_tb_s": bw / 1e12,
+            "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows}
+    if json_out:
+        print(json.dumps({"meta": meta, "rows": rows}, default=float))
+    else:
+        Console(highlight=False).print(_table(rows, meta))
+    if markdown is not None:
+        markdown.write_text(_markdown(rows, meta))
+
+
+COLUMNS = [("scheme", "scheme", "{}"), ("batch", "batch", "{}"), ("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
+           ("ttft_ms", "TTFT ms", "{:.1f}"), ("decode_tok_s", "decode tok/s", "{:,.1f}"),
+           ("ms_per_step_median", "ms/step p50", "{:.3f}"), ("ms_per_step_p90", "p90", "{:.3f}"),
+           ("effective_gb_s", "GB/s", "{:,.0f}"), ("pct_of_bandwidth", "% of copy bw", "{:.1f}"),
+           ("floor_tok_s", "floor tok/s", "{:,.0f}"), ("speedup_decode", "x torch.compile decode", "{:.2f}"),
+           ("speedup_prefill", "x prefill", "{:.2f}"), ("peak_gpu_bytes", "peak GiB", "{}")]
+
+
+def _cells(r: dict) -> list[str]:
+    out = []
+    for key, _, fmt in COLUMNS:
+        v = r.get(key)
+        if v is None:
+            out.append("-")
+        elif key == "peak_gpu_bytes":
+            out.append(f"{v / 2**30:.1f}")
+        else:
+            out.append(fmt.format(v))
+    return out
+
+
+def _table(rows: list[dict], meta: dict) -> Table:
+    t = Table(title=f"fllama bench · {meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · "
+                    f"copy {meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} gen {meta['gen_len']}")
+    for _, title, _ in COLUMNS:
+        t.add_column(title, justify="right")
+    for r in rows:
+        t.add_row(*_cells(r))
+    return t
+
+
+def _markdown(rows: list[dict], meta: dict) -> str:
+    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |\n"
+    head += "|" + "---|" * len(COLUMNS) + "\n"
+    body = "".join("| " + " | ".join(_cells(r)) + " |\n" for r in rows)
+    base = "".join(f"| {b} | {v['prefill_tok_s']:,.0f} | {v['decode_tok_s']:,.1f} | {v['decode_ms_median']:.3f} | "
+                   f"{v.get('compile_s', 0):.0f} |\n" for b, v in meta["baseline"].items())
+    return (f"{meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · copy bandwidth "
+            f"{meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} · gen {meta['gen_len']} · "
+            f"repeat {meta['repeat']}\n\n" + head + body +
+            ("\nBaseline (torch.compile, mode=reduce-overhead, fp16):\n\n| batch | prefill tok/s | decode tok/s | "
+             "ms/step | compile s |\n|---|---|---|---|---|\n" + base if base else ""))

@@ -59,12 +59,14 @@ def calibrate_cmd(
     if output.exists() and not force:
         raise FllamaError(f"{output} already exists; use --force to overwrite it")
 
+    from calibrate.calibration import calibration_windows
     from fllama_cli.runtime import build_weights, torch_device
     from model_zoo.load import load_model
 
     dev = torch_device(device)  # capture runs in torch: a GPU helps even without the PyCUDA engine
     loaded = load_model(model, random=random, seed=seed or 0)
     dtype = torch.float16 if dev == "cuda" else torch.float32
+    windows = calibration_windows(loaded.tokenizer, data_cfg, loaded.config.max_positions)  # [samples, seq_len]
     weights = build_weights(loaded, torch.float32, "cpu")  # stays on the host; layers visit the device
     cap = CaptureConfig(batch=batch, device=dev, dtype=dtype)
     n_layers = loaded.config.n_layers
@@ -72,7 +74,7 @@ def calibrate_cmd(
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]layer {task.fields[layer]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err,
-                  disable=quiet or json_out) as bar:
+                  disable=quiet or json_out or not err.is_terminal) as bar:
         task = bar.add_task("capture", total=n_layers * total, layer=f"0/{n_layers}", rate="")
 
         def progress(layer: int, tokens: int) -> None:
@@ -81,7 +83,7 @@ def calibrate_cmd(
             rate = done / max(time.perf_counter() - t0, 1e-9)
             bar.update(task, layer=f"{layer + 1}/{n_layers}", rate=f"{rate:,.0f} tok/s")
 
-        stats = calibrate_model(weights, loaded.tokenizer, data_cfg, calib, cap, loaded.source, progress)
+        stats = calibrate_model(weights, windows, data_cfg, calib, cap, loaded.source, progress)
     stats.meta["seconds"] = round(time.perf_counter() - t0, 2)
     stats.meta["device"] = dev
     stats.save(output, force=force)

@@ -46,7 +46,7 @@ def eval_cmd(
     if not json_out:
         err.print(f"[dim]{settings}[/]")
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, disable=quiet or json_out, transient=True) as bar:
+                  console=err, disable=quiet or json_out or not err.is_terminal, transient=True) as bar:
         task = bar.add_task("eval", total=len(windows))
         result = evaluate(opened.backend, windows, cfg, base.backend if base else None,
                           progress=lambda n: bar.advance(task, n))

@@ -77,7 +77,7 @@ def quantize_cmd(
     t0 = time.perf_counter()
     report: dict = {}
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, disable=quiet or json_out) as bar:
+                  console=err, disable=quiet or json_out or not err.is_terminal) as bar:
         tasks: dict[str, int] = {}
 
         def progress(stage: str, i: int, n: int) -> None:

@@ -27,8 +27,8 @@ class Opened:
         return self.loaded.config
 
     def describe(self) -> str:
-        scheme = self.backend.weights.meta.get("scheme", "fp") if hasattr(self.backend, "weights") else ""
-        return f"{self.backend.name} on {self.device}" + (f", {scheme}" if scheme else "")
+        dtype = "fp32 compute" if self.device == "cpu" else "fp16 compute"
+        return f"{self.backend.name} on {self.device}, {self.backend.scheme} weights, {dtype}"
 
 
 def gpu_usable() -> tuple[bool, str]:

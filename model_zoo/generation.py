@@ -143,6 +143,7 @@ def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]],
     for st, tok, budget in zip(states, tokens_host, budgets):
         st.push(tok, budget, on_text)
 
+    fused = getattr(backend, "decode_sampled", None)
     while True:
         live = [st for st in states if st.finish_reason is None]
         if not live:
@@ -150,8 +151,11 @@ def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]],
         idx = [st.index for st in live]
         active = torch.tensor([row_ids[i] for i in idx], device=device)  # cache rows still decoding
         last = torch.tensor([[st.tokens[-1]] for st in live], device=device)  # [b, 1]
-        logits = backend.forward(last, cache, active)[:, -1]  # [b, V]
-        for st, tok in zip(live, sampler.sample(logits, idx).tolist()):
+        if fused is not None:  # the backend decodes and samples in one step (the GPU engine's graph)
+            next_tokens = fused(last[:, 0], cache, active.tolist(), sampler)
+        else:
+            next_tokens = sampler.sample(backend.forward(last, cache, active)[:, -1], idx)  # from logits [b, V]
+        for st, tok in zip(live, next_tokens.tolist()):
             st.push(tok, budgets[st.index], on_text)
     t2 = time.perf_counter()
 

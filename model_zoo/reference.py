@@ -131,6 +131,10 @@ class ReferenceModel:
         return self.weights.device
 
     @property
+    def scheme(self) -> str:
+        return self.weights.meta.get("scheme", "fp16")
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.weights.dtype
 

@@ -52,7 +52,7 @@ def load_text(source: str) -> str:
     elif src.lower().endswith(".jsonl"):
         text = _jsonl(Path(src))
     else:
-        raise TextSourceError(f"unknown text source {source!r}; accepted forms:\n{SOURCES}")
+        raise TextSourceError(f"unknown text source {source!r}; {SOURCES_HELP[0].lower()}{SOURCES_HELP[1:]}")
     if not text.strip():
         raise TextSourceError(f"text source {source!r} is empty")
     return text

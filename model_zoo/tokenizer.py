@@ -31,10 +31,10 @@ BYTE_OFFSET = 3  # byte_fallback: <unk>, <s>, </s> come first
 class Tokenizer:
     def __init__(self, backend: HFBackend | SentencePieceBackend, *, bos_id: int | None, eos_id: int | None,
                  add_bos: bool, add_eos: bool = False, chat_template: str | None = None,
-                 extra_eos_ids: Sequence[int] = (), vocab_size: int | None = None, kind: str = ""):
+                 extra_eos_ids: Sequence[int] = (), kind: str = ""):
         self._backend = backend
         self.kind = kind or type(backend).__name__  # where it came from, for `fllama info`
-        self.vocab_size = vocab_size or backend.vocab_size
+        self.vocab_size = backend.vocab_size
         self.bos_id, self.eos_id = bos_id, eos_id
         self.add_bos, self.add_eos = add_bos, add_eos
         self.chat_template = chat_template

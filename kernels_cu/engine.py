@@ -1,0 +1,424 @@
+"""The GPU engine: a decoder of PyCUDA kernels for fp16, INT8 W8A8 and AWQ int4 checkpoints.
+
+Per layer (ARCHITECTURE.md, "Engine"): RMSNorm (+ int8 quantization) -> fused QKV GEMM -> RoPE + KV-cache
+write -> attention (prefill: SDPA per row; decode: split over the sequence) -> o_proj GEMM with the residual
+added in its epilogue -> RMSNorm (+ quant) -> fused gate|up GEMM -> SiLU(gate) * up (+ quant) -> down GEMM
+with the residual. Around the layers: embedding lookup, final norm, lm_head in fp16.
+
+Decode steps of a batch-size bucket are captured once as a CUDA graph and replayed: token ids, positions
+and lengths live in device buffers, so one graph serves every step. Prefill runs eagerly. The engine is a
+Backend of the same generation loop as the CPU reference (model_zoo.generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels_cu import build
+from kernels_cu.attention_decode import attention_decode
+from kernels_cu.attention_prefill import attention_prefill
+from kernels_cu.awq_gemm import awq_gemm
+from kernels_cu.embedding import embedding
+from kernels_cu.fp16_gemv import fp16_linear
+from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.quantize import quantize
+from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
+from kernels_cu.rope_kv import rope_kv, rope_table
+from kernels_cu.sampling import GpuSampler
+from kernels_cu.silu_mul import silu_mul, silu_mul_quant
+from model_zoo.config import LlamaConfig
+from model_zoo.errors import DeviceError, PromptError
+from model_zoo.linear import DenseLinear
+from model_zoo.quantized_linear import ActQuant, AwqLinear, Int8Linear
+from model_zoo.sampling import SamplingConfig
+from model_zoo.weights import ModelWeights
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
+
+
+# ---------------------------------------------------------------------------------------------- linears
+class Fp16Op:
+    """y = x @ W^T (+ residual): GEMV kernel up to 16 rows, cuBLAS above."""
+
+    int8 = False
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # [N, K] fp16
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return fp16_linear(x, self.weight, residual)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2
+
+
+class AwqOp:
+    """y = x @ dequant(W)^T (+ residual), W in AutoAWQ GEMM layout."""
+
+    int8 = False
+
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
+        self.qweight, self.qzeros, self.scales = qweight, qzeros, scales  # [K, N/8], [K/G, N/8], [K/G, N]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return awq_gemm(x, self.qweight, self.qzeros, self.scales, residual)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
+
+
+class Int8Op:
+    """y = (q_x @ Wq^T) * a_scale * w_scale (+ residual); takes the (q_x, a_scale) its producer made."""
+
+    int8 = True
+
+    def __init__(self, qweight: torch.Tensor, w_scale: torch.Tensor, amax: torch.Tensor | None):
+        self.qweight, self.w_scale = qweight, w_scale  # [N, K] int8, [N] fp32
+        self.amax = amax  # [1] fp32 for static activations, None for per-token dynamic
+
+    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual)
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.w_scale.numel() * 4
+
+
+def _fuse(linears: list, device: torch.device):
+    """One GPU op for linears that read the same input (q|k|v, gate|up), concatenated along N."""
+    first = linears[0]
+    if isinstance(first, Int8Linear):
+        qweight = torch.cat([l.qweight for l in linears]).to(device)  # [sum N, K]
+        w_scale = torch.cat([l.w_scale.float() for l in linears]).to(device)  # [sum N]
+        static = first.act == ActQuant.STATIC
+        if static and len({float(l.a_amax) for l in linears}) != 1:
+            raise DeviceError("fused int8 linears need one static activation scale")  # load_quantized_weights unifies
+        amax = torch.tensor([float(first.a_amax)], dtype=torch.float32, device=device) if static else None
+        return Int8Op(qweight.contiguous(), w_scale.contiguous(), amax)
+    if isinstance(first, AwqLinear):
+        qweight = torch.cat([l.qweight for l in linears], dim=1).to(device)  # [K, sum N / 8]
+        qzeros = torch.cat([l.qzeros for l in linears], dim=1).to(device)  # [K/G, sum N / 8]
+        scales = torch.cat([l.scales for l in linears], dim=1).to(device, torch.float16)  # [K/G, sum N]
+        return AwqOp(qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
+    if isinstance(first, DenseLinear):
+        w = torch.cat([l.dense_weight() for l in linears]).to(device, torch.float16)  # [sum N, K]
+        return Fp16Op(w.contiguous())
+    raise DeviceError(f"the GPU engine cannot run linears of type {type(first).__name__}")
+
+
+@dataclass
+class GpuLayer:
+    attn_norm: torch.Tensor  # [H] fp16
+    ffn_norm: torch.Tensor  # [H] fp16
+    qkv: Any  # H -> (n_heads + 2 n_kv) * head_dim
+    o: Any
+    gate_up: Any  # H -> 2F
+    down: Any
+
+
+# ----------------------------------------------------------------------------------------------- cache
+@dataclass
+class GpuCache:
+    """A KV cache for one batch bucket. `lengths` is the device tensor the decode graph reads; storage has
+    one spare position per row so a row that is not decoding this step can write past its end harmlessly."""
+
+    k: list[torch.Tensor]  # per layer [Bb, n_kv, cap + 1, d] fp16
+    v: list[torch.Tensor]
+    lengths: torch.Tensor  # [Bb] int32
+    max_len: int  # positions a row may hold (<= cap)
+    batch: int  # rows the caller asked for (<= Bb)
+    graphs: dict = field(default_factory=dict)  # "logits" | "sampled" -> (CUDA graph, its output tensor)
+    static: dict = field(default_factory=dict)  # buffers the graphs read: tokens, active, row
+
+    @property
+    def bucket(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] - 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 1
+    max_len: int = 4096  # KV positions per row, capped at the model's context
+    use_graphs: bool = True
+
+
+class Engine:
+    """fp16 / int8 / awq checkpoint on the GPU; forward(tokens, cache, rows) -> fp32 logits like the reference."""
+
+    name = "engine"
+
+    def __init__(self, weights: ModelWeights, cfg: EngineConfig = EngineConfig()):
+        build.require_cuda()
+        self.cfg = cfg
+        self.config: LlamaConfig = weights.config
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self.scheme = weights.meta.get("scheme", "fp16")
+        dev = self._device
+        with build.on_stream():
+            self.embed = weights.embed.to(dev, torch.float16).contiguous()  # [V, H]
+            self.lm_head = self.embed if self.config.tie_embeddings else weights.lm_head.to(dev, torch.float16).contiguous()
+            self.norm = weights.norm.to(dev, torch.float16).contiguous()
+            self.layers = [GpuLayer(attn_norm=l.attn_norm.to(dev, torch.float16).contiguous(),
+                                    ffn_norm=l.ffn_norm.to(dev, torch.float16).contiguous(),
+                                    qkv=_fuse([l.wq, l.wk, l.wv], dev), o=_fuse([l.wo], dev),
+                                    gate_up=_fuse([l.w_gate, l.w_up], dev), down=_fuse([l.w_down], dev))
+                           for l in weights.layers]
+            self.max_len = min(cfg.max_len, self.config.max_positions)
+            self.cos_sin = rope_table(self.config.head_dim, self.config.rope_theta, self.config.max_positions + 1, dev)
+        self._caches: dict[tuple[int, bool], GpuCache] = {}
+        self._samplers: dict[int, GpuSampler] = {}
+        build.synchronize()
+
+    # -- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_loaded(cls, loaded: Any, max_batch: int = 1, max_len: int = 4096) -> "Engine":
+        from fllama_cli.runtime import build_weights
+
+        weights = build_weights(loaded, torch.float16, "cpu")
+        return cls(weights, EngineConfig(max_batch=max_batch, max_len=max_len))
+
+    @classmethod
+    def from_checkpoint(cls, path: str, max_batch: int = 1, max_len: int = 4096) -> "Engine":
+        from model_zoo.load import load_model
+
+        return cls.from_loaded(load_model(path, dtype=torch.float16), max_batch, max_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def weight_bytes(self) -> int:
+        n = self.embed.numel() * 2 + self.norm.numel() * 2
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel() * 2
+        for l in self.layers:
+            n += (l.attn_norm.numel() + l.ffn_norm.numel()) * 2
+            n += sum(op.nbytes() for op in (l.qkv, l.o, l.gate_up, l.down))
+        return n
+
+    def kv_bytes(self, batch: int, max_len: int) -> int:
+        c = self.config
+        return 2 * c.n_layers * batch * c.n_kv_heads * (max_len + 1) * c.head_dim * 2
+
+    def memory_report(self) -> dict:
+        caches = {f"{b}{'-scratch' if s else ''}": self.kv_bytes(b, c.capacity) for (b, s), c in self._caches.items()}
+        return {"weights_bytes": self.weight_bytes(), "kv_cache_bytes": caches,
+                "allocated_bytes": torch.cuda.memory_allocated(self._device),
+                "peak_bytes": torch.cuda.max_memory_allocated(self._device)}
+
+    # -- cache ------------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int, scratch: bool = False) -> GpuCache:
+        """The bucket's cache, emptied (its decode graph is kept: same buffers, same pointers).
+
+        One cache per bucket: a new_cache of the same bucket empties the previous one. `scratch` caches
+        (forward without a cache, as eval does) are separate, so they never clobber a conversation."""
+        if batch > BUCKETS[-1]:
+            raise DeviceError(f"batch {batch} is above the engine's largest bucket {BUCKETS[-1]}")
+        if max_len > self.config.max_positions:
+            raise PromptError(f"{max_len} positions exceed the model's context of {self.config.max_positions}")
+        bucket = next(b for b in BUCKETS if b >= batch)
+        key = (bucket, scratch)
+        cache = self._caches.get(key)
+        if cache is None or cache.capacity < max_len:
+            self._caches.pop(key, None)  # free the old storage (and its graph) first
+            cache = self._alloc_cache(bucket, max(max_len, min(self.max_len, self.config.max_positions)))
+            self._caches[key] = cache
+        cache.lengths.zero_()
+        cache.max_len, cache.batch = max_len, batch
+        return cache
+
+    def _alloc_cache(self, bucket: int, cap: int) -> GpuCache:
+        c = self.config
+        shape = (bucket, c.n_kv_heads, cap + 1, c.head_dim)
+        need = self.kv_bytes(bucket, cap)
+        free = torch.cuda.mem_get_info(self._device)[0]
+        if need > free:
+            raise DeviceError(f"the KV cache for batch {bucket} x {cap} positions needs {need / 2**30:.1f} GiB but "
+                              f"{free / 2**30:.1f} GiB are free: lower the batch or the context")
+        with build.on_stream():
+            k = [torch.zeros(shape, dtype=torch.float16, device=self._device) for _ in range(c.n_layers)]
+            v = [torch.zeros(shape, dtype=torch.float16, device=self._device) for _ in range(c.n_layers)]
+            lengths = torch.zeros(bucket, dtype=torch.int32, device=self._device)
+        return GpuCache(k=k, v=v, lengths=lengths, max_len=cap, batch=bucket)
+
+    # -- the layer ---------------------------------------------------------------------------------------
+    def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any):
+        eps = self.config.norm_eps
+        return rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)
+
+    def _layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, cache: GpuCache,
+               attend) -> torch.Tensor:
+        """h [T, H] fp16 -> [T, H]; attend(i, q [T, nh, d]) -> [T, nh * d]."""
+        c, L = self.config, self.layers[i]
+        qkv = L.qkv(self._norm_in(h, L.attn_norm, L.qkv))  # [T, (nh + 2 nkv) d]
+        q = rope_kv(qkv, self.cos_sin, pos, row, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads)  # [T, nh, d]
+        o = attend(i, q)  # [T, nh * d]
+        h = L.o(quantize(o, L.o.amax) if L.o.int8 else o, residual=h)  # [T, H]
+        gu = L.gate_up(self._norm_in(h, L.ffn_norm, L.gate_up))  # [T, 2F]
+        a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
+        return L.down(a, residual=h)  # [T, H]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = rmsnorm(h, self.norm, self.config.norm_eps)  # [T, H]
+        return fp16_linear(x, self.lm_head)  # [T, V] fp16
+
+    # -- forward -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: GpuCache | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] -> fp32 logits [B, S, V]; with a cache each row continues at its own length."""
+        B, S = tokens.shape
+        if cache is None:
+            cache = self.new_cache(B, S, scratch=True)
+        rows_l = list(range(B)) if rows is None else [int(r) for r in rows]
+        if S == 1 and self.cfg.use_graphs:
+            return self._decode(tokens[:, 0], cache, rows_l)[:, None]
+        return self._prefill(tokens, cache, rows_l)
+
+    def _prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int]) -> torch.Tensor:
+        B, S = tokens.shape
+        dev = self._device
+        starts = cache.lengths[torch.tensor(rows, device=self._device)].tolist()
+        if max(starts) + S > cache.capacity:
+            raise PromptError(f"the KV cache holds {cache.capacity} positions; {max(starts) + S} are needed")
+        with build.on_stream():
+            ids = tokens.to(dev, torch.int32).reshape(-1).contiguous()  # [T]
+            pos = torch.cat([torch.arange(s, s + S, dtype=torch.int32) for s in starts]).to(dev)  # [T]
+            row = torch.tensor(rows, dtype=torch.int32).repeat_interleave(S).to(dev)  # [T]
+            h = embedding(self.embed, ids)  # [T, H]
+            c = self.config
+
+            def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q [T, nh, d]
+                outs = [attention_prefill(q[b * S:(b + 1) * S], cache.k[i], cache.v[i], r, starts[b])
+                        for b, r in enumerate(rows)]  # each [S, nh, d]
+                return torch.cat(outs).reshape(B * S, c.q_size)
+
+            for i in range(c.n_layers):
+                h = self._layer(i, h, pos, row, cache, attend)
+            logits = self._logits(h).float().reshape(B, S, -1)  # [B, S, V]
+            idx = torch.tensor(rows, device=dev)
+            cache.lengths[idx] += S
+        return logits
+
+    def _decode(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int],
+                sampler: "GpuRowSampler | None" = None) -> torch.Tensor:
+        """One token for each of `rows`: logits [len(rows), V], or with a sampler the sampled ids [len(rows)].
+
+        Replays the bucket's graph (captured on first use, with or without sampling), or runs the same
+        kernels eagerly when graphs are off."""
+        with build.on_stream():
+            idx = torch.tensor(rows, device=self._device)
+            if int(cache.lengths[idx].max()) + 1 > cache.capacity:
+                raise PromptError(f"the KV cache holds {cache.capacity} positions; a row is full")
+            if not cache.static:
+                cache.static = {"tokens": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device),
+                                "active": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device),
+                                "row": torch.arange(cache.bucket, dtype=torch.int32, device=self._device)}
+            st = cache.static
+            st["tokens"][idx] = tokens.to(self._device, torch.int32)
+            st["active"].zero_()
+            st["active"][idx] = 1
+        key = "sampled" if sampler is not None else "logits"
+        if not self.cfg.use_graphs:
+            with build.on_stream():
+                out = self._step_body(cache, sampler.gpu if sampler else None)
+        else:
+            if cache.graphs.get(key) is None:
+                cache.graphs[key] = self._capture(cache, sampler.gpu if sampler else None)
+            graph, out = cache.graphs[key]
+            with build.on_stream():
+                graph.replay()
+        with build.on_stream():
+            return out[idx].long() if sampler is not None else out[idx].float()
+
+    def decode_sampled(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int],
+                       sampler: "GpuRowSampler") -> torch.Tensor:
+        """Decode and sample on the GPU in one graph replay: the next token of each row [len(rows)]."""
+        return self._decode(tokens, cache, rows, sampler)
+
+    def _step_body(self, cache: GpuCache, sampler: GpuSampler | None) -> torch.Tensor:
+        logits = self._decode_body(cache)  # [Bb, V] fp16
+        if sampler is None:
+            return logits
+        out = sampler.sample(logits)  # [Bb] int32, sampler.out
+        cache.static["tokens"].copy_(out)  # feeds the next replay (benchmarks replay without the host)
+        return out
+
+    def _decode_body(self, cache: GpuCache) -> torch.Tensor:
+        st = cache.static
+        pos = cache.lengths  # the new token's position, per row
+        lens = cache.lengths + 1  # [Bb] attention covers the new token
+        h = embedding(self.embed, st["tokens"])  # [Bb, H]
+        c = self.config
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return attention_decode(q, cache.k[i], cache.v[i], lens).reshape(-1, c.q_size)
+
+        for i in range(c.n_layers):
+            h = self._layer(i, h, pos, st["row"], cache, attend)
+        logits = self._logits(h)  # [Bb, V] fp16
+        cache.lengths.add_(st["active"])  # only rows that decoded this step advance
+        return logits
+
+    def _capture(self, cache: GpuCache, sampler: GpuSampler | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        with build.on_stream():
+            saved = cache.lengths.clone()
+            saved_state = None if sampler is None else [t.clone() for t in (sampler.seen, sampler.rng, sampler.finished)]
+            self._step_body(cache, sampler)  # warm-up: compiles kernels, allocates; writes only past each row's end
+            cache.lengths.copy_(saved)
+            if sampler is not None:
+                for t, v in zip((sampler.seen, sampler.rng, sampler.finished), saved_state):
+                    t.copy_(v)
+        build.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=build.torch_stream()):
+            out = self._step_body(cache, sampler)
+        return graph, out
+
+    def replay_steps(self, cache: GpuCache, steps: int, sampled: bool = True) -> None:
+        """Replay the captured decode step `steps` times with no host work in between (benchmarks)."""
+        graph, _ = cache.graphs["sampled" if sampled else "logits"]
+        with build.on_stream():
+            for _ in range(steps):
+                graph.replay()
+
+    # -- sampling ------------------------------------------------------------------------------------------
+    def make_sampler(self, cfg: SamplingConfig, batch: int) -> "GpuRowSampler":
+        """The bucket's sampler, reconfigured: its buffers persist so the sampled decode graph stays valid."""
+        bucket = next(b for b in BUCKETS if b >= batch)
+        gpu = self._samplers.get(bucket)
+        with build.on_stream():
+            if gpu is None:
+                # the loop decides when a row ends, so the kernel's own EOS tracking gets an id that never occurs
+                gpu = self._samplers[bucket] = GpuSampler(bucket, self.config.vocab_size, eos_ids=[-1],
+                                                          device=self._device)
+            gpu.set_config(cfg)
+            gpu.reset(cfg.seed if cfg.seed is not None else int(torch.seed() & 0x7FFFFFFF))
+        return GpuRowSampler(gpu)
+
+
+class GpuRowSampler:
+    """The generation loop's sampler interface over a bucket's GpuSampler (device RNG, seen mask, penalties)."""
+
+    def __init__(self, gpu: GpuSampler):
+        self.gpu = gpu
+        with build.on_stream():
+            self.logits = torch.zeros(gpu.batch, gpu.vocab, dtype=torch.float32, device=gpu.out.device)  # [Bb, V]
+
+    def observe(self, row: int, tokens: list[int]) -> None:
+        with build.on_stream():
+            self.gpu.observe(row, tokens)
+
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        with build.on_stream():
+            idx = torch.tensor(rows, device=self.logits.device)
+            self.logits[idx] = logits.float()
+            out = self.gpu.sample(self.logits)  # [B] int32; rows not asked for are ignored
+            return out[idx].long()
+
