@@ -137,6 +137,9 @@ class CalibStats:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = st_save(self._tensors(), metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes it private; a stats file is an ordinary output
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

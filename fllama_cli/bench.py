@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -111,7 +112,7 @@ def bench_cmd(
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:
-        Console(highlight=False).print(_table(rows, meta))
+        Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(_table(rows, meta))
     if markdown is not None:
         markdown.write_text(_markdown(rows, meta))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import math
 import time
 from pathlib import Path
@@ -100,15 +101,11 @@ def _render(report: dict, meta: dict, json_out: bool) -> None:
         print(json.dumps(clean))
         return
     methods = list(next(iter(report.values())).keys())
-    table = Table(title=f"activation ranges · {meta.get('model', {}).get('name', '?')} · {meta.get('source', '?')} "
-                        f"({meta.get('samples', '?')}x{meta.get('seq_len', '?')})")
-    table.add_column("capture point")
+    table = Table(title=f"activation ranges (amax / SQNR of int8 fake-quant) · {meta.get('model', {}).get('name', '?')} · "
+                        f"{meta.get('source', '?')} ({meta.get('samples', '?')}x{meta.get('seq_len', '?')})")
+    table.add_column("capture point", no_wrap=True)
     for m in methods:
-        table.add_column(f"{m} amax", justify="right")
-        table.add_column(f"{m} SQNR dB", justify="right")
+        table.add_column(m, justify="right", no_wrap=True)
     for point, row in report.items():
-        cells = []
-        for m in methods:
-            cells += [f"{row[m]['amax']:.4g}", f"{row[m]['sqnr_db']:.2f}"]
-        table.add_row(point, *cells)
-    Console(highlight=False).print(table)
+        table.add_row(point, *(f"{row[m]['amax']:.4g} / {row[m]['sqnr_db']:.1f} dB" for m in methods))
+    Console(highlight=False, width=None if sys.stdout.isatty() else 160).print(table)

@@ -277,7 +277,7 @@ class Engine:
         if cache is None:
             cache = self.new_cache(B, S, scratch=True)
         rows_l = list(range(B)) if rows is None else [int(r) for r in rows]
-        if S == 1 and self.cfg.use_graphs:
+        if S == 1:  # decode kernels (graph replay, or the same kernels eagerly with use_graphs off)
             return self._decode(tokens[:, 0], cache, rows_l)[:, None]
         return self._prefill(tokens, cache, rows_l)
 
@@ -368,13 +368,15 @@ class Engine:
 
     def _capture(self, cache: GpuCache, sampler: GpuSampler | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with build.on_stream():
-            saved = cache.lengths.clone()
-            saved_state = None if sampler is None else [t.clone() for t in (sampler.seen, sampler.rng, sampler.finished)]
-            self._step_body(cache, sampler)  # warm-up: compiles kernels, allocates; writes only past each row's end
-            cache.lengths.copy_(saved)
+            # warm-up (builds kernels, allocates) must leave no trace: it writes K/V only where this step will
+            # write them again, and everything else it changes is put back
+            state = [cache.lengths, cache.static["tokens"]]
             if sampler is not None:
-                for t, v in zip((sampler.seen, sampler.rng, sampler.finished), saved_state):
-                    t.copy_(v)
+                state += [sampler.seen, sampler.rng, sampler.finished]
+            saved = [t.clone() for t in state]
+            self._step_body(cache, sampler)
+            for t, v in zip(state, saved):
+                t.copy_(v)
         build.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=build.torch_stream()):

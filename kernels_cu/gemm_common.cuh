@@ -76,6 +76,18 @@ __device__ __forceinline__ uint2 ld_cached8(const void* p, bool ok) {
     return v;
 }
 
+// cp.async: 16 bytes global -> shared without a register round trip, so a warp keeps several tiles in
+// flight while it computes. .cg skips L1 (weights are read once); src-size 0 writes zeros (ok false).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {  // at most PENDING groups of this thread still in flight
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is always a compile-time constant
 }
@@ -152,6 +164,27 @@ __device__ __forceinline__ void awq_dequant_word(uint32_t qw, const __half2 (&zz
     out[1] = h2_bits(__hmul2_rn(__hfma2(q1, sixteenth, zz[1]), bits_h2(s.y)));
     out[2] = h2_bits(__hmul2_rn(__hsub2(q2, zz[2]), bits_h2(s.z)));
     out[3] = h2_bits(__hmul2_rn(__hfma2(q3, sixteenth, zz[3]), bits_h2(s.w)));
+}
+
+// ---- int4 k-pairs (the AWQ GEMV) ------------------------------------------------------------------
+// prmt(a, b, 0x5410) of the packed words of rows k (a) and k + 1 (b) puts a's nibbles 0-3 in the low half
+// and b's nibbles 0-3 in the high half, so the same four LOP3 extractions give (row k, row k + 1) pairs of
+// ONE column: extraction j -> column 2j (nibble j); prmt 0x7632 does nibbles 4-7 -> column 2j + 1. One
+// prmt per word instead of four after the dequantization: pairs of one column along k are exactly what
+// an mma A fragment holds. zz[j] and s[j] are column (2j or 2j + 1)'s zero term (awq_zero_terms' form for
+// pair j) and scale, both halves equal; q - z is exact and the product with s rounds once, as before.
+__device__ __forceinline__ void awq_dequant_kpairs(uint32_t kw, const __half2 (&zz)[4], const __half2 (&s)[4],
+                                                   uint32_t (&out)[4]) {
+    const uint32_t hi = kw >> 8;
+    const __half2 q0 = bits_h2(lop3<LOP3_AND_OR>(kw, 0x000f000f, FP16_1024));
+    const __half2 q1 = bits_h2(lop3<LOP3_AND_OR>(kw, 0x00f000f0, FP16_1024));
+    const __half2 q2 = bits_h2(lop3<LOP3_AND_OR>(hi, 0x000f000f, FP16_1024));
+    const __half2 q3 = bits_h2(lop3<LOP3_AND_OR>(hi, 0x00f000f0, FP16_1024));
+    const __half2 sixteenth = bits_h2(FP16_ONE_SIXTEENTH);
+    out[0] = h2_bits(__hmul2_rn(__hsub2(q0, zz[0]), s[0]));
+    out[1] = h2_bits(__hmul2_rn(__hfma2(q1, sixteenth, zz[1]), s[1]));
+    out[2] = h2_bits(__hmul2_rn(__hsub2(q2, zz[2]), s[2]));
+    out[3] = h2_bits(__hmul2_rn(__hfma2(q3, sixteenth, zz[3]), s[3]));
 }
 
 // ---- int8 -> fp16 (exact) ------------------------------------------------------------------------

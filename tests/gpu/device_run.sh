@@ -23,6 +23,14 @@ for step in "$@"; do
         python -m fllama_cli.main generate $ck -p "The capital of France is" -n 12 --temperature 0 --device cuda --json
         python -m fllama_cli.main eval $ck --data gutenberg:sherlock --seq-len 512 --max-tokens 4096 --device cuda --json
       done ;;
+    bench7b) timeout 420 python -m fllama_cli.main bench --model llama2-7b --random --scheme fp16,int8,awq \
+        --batch 1,8,32 --prompt-len 512 --gen-len 128 --repeat 3 --markdown "$out/bench7b.md" 2>&1 | tail -n 30 ;;
+    prefill2k) timeout 300 python -m fllama_cli.main bench --model llama2-7b --random --scheme fp16,int8,awq \
+        --batch 1 --prompt-len 2048 --gen-len 32 --repeat 5 --markdown "$out/prefill2k.md" 2>&1 | tail -n 12 ;;
+    bench70b) timeout 300 python -m fllama_cli.main bench --model llama2-70b --random --scheme awq --batch 1,8 \
+        --prompt-len 512 --gen-len 64 --repeat 2 --baseline none --markdown "$out/bench70b.md" 2>&1 | tail -n 12 ;;
+    profile) for sch in fp16 int8 awq; do timeout 120 python -m kernels_cu.profile_engine --scheme $sch --tokens 2048 --rows 14 2>&1 \
+        | grep -E "^==|Name|cuda|Kernel|kernel|gemm|gemv|attn|Memcpy|elementwise|sm90|Self CUDA time total" | cut -c1-60,100-200 | head -n 40; done ;;
     *) ;;
   esac
 done

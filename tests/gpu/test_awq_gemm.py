@@ -101,3 +101,35 @@ def test_fallback_shapes():
     qweight, qzeros, scales = awq_tensors(256, 200, 64, seed=9)
     x = randn(4, 256, seed=10)
     check_gemm(awq_gemm(x, qweight, qzeros, scales), awq_gemm_ref(x, qweight, qzeros, scales), "N=200")
+
+
+@pytest.mark.parametrize("M", [1, 12])
+def test_deterministic_and_counters_left_zero(M):
+    """The last block of a strip sums the partials in split order: bitwise repeatable; counters reset."""
+    from kernels_cu import awq_gemm as mod
+    qweight, qzeros, scales = awq_tensors(4096, 4096, 128, seed=20 + M)
+    x = randn(M, 4096, seed=21)
+    first = awq_gemm(x, qweight, qzeros, scales)
+    for _ in range(3):
+        assert_equal(awq_gemm(x, qweight, qzeros, scales), first, f"repeat M={M}")
+    torch.cuda.current_stream().synchronize()
+    counters = mod._COUNTERS[torch.cuda.current_device()]
+    assert int(counters.abs().sum()) == 0
+
+
+def test_graph_replay_matches_eager():
+    """Captured once, replayed with new inputs in place (the engine's decode graphs)."""
+    from kernels_cu import build
+    qweight, qzeros, scales = awq_tensors(4096, 12288, 128, seed=30)
+    x, res = randn(3, 4096, seed=31), randn(3, 12288, seed=32)
+    y = torch.empty(3, 12288, dtype=torch.float16, device="cuda")
+    awq_gemm(x, qweight, qzeros, scales, residual=res, out=y)  # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=build.torch_stream()):
+        awq_gemm(x, qweight, qzeros, scales, residual=res, out=y)
+    for seed in (33, 34):
+        x.copy_(randn(3, 4096, seed=seed))
+        poison(y)
+        g.replay()
+        torch.cuda.current_stream().synchronize()
+        check_gemm(y, awq_gemm_ref(x, qweight, qzeros, scales, residual=res), f"replay seed={seed}")
