@@ -245,3 +245,464 @@ extern "C" __global__ void __launch_bounds__(128)
     }
     out[(size_t)bh * D + d] = __float2half_rn(acc / l);
 }
+
+// ==== fused single-launch variant ====================================================================
+// attn_fused_d{64,128}[_kv8]: the same tensor-core tiles, reorganised for bandwidth and with the combine
+// (and optionally the per-token int8 quantization of the output) done by the last block to finish.
+//   grid (S splits, B * Hkv * HG units), block 128 (4 warps). A unit is (row b, kv head, group of <= 8
+//   query heads). Its row's tiles of 16 positions are split evenly over the first n <= S blocks at run
+//   time, from lengths[b] read on the device (tps = ceil(tiles / S) tiles per block, or span_tiles when
+//   the launcher fixes the chunk), so one launch shape serves every step and no block idles while
+//   another streams the whole context.
+//   1. cp.async streams the block's K and V (and int8 scales) into shared memory in stages of 64
+//      positions, double buffered: every thread has a whole stage of 16-byte copies in flight while the
+//      warps work on the previous one. Copies past the block's end are zero-filled (the cache may hold
+//      NaN there).
+//   2. warp w takes tile w of each stage: S = K Q^T with A from ldmatrix (fp16) or converted int8 rows,
+//      online softmax per head (running max m, lane-partial sum l, accumulators rescaled by 2^(m_old -
+//      m_new)), P rounded to fp16 through a warp-private transpose buffer, O^T += V^T P^T with A from
+//      ldmatrix.trans (fp16) or the prmt transpose of converted int8 rows.
+//   3. the 4 warps' (m, l, O) merge in shared memory. A unit with one active block writes out = O / l.
+//      Otherwise the block writes (O, m, l) to the workspace, fences, and bumps the unit's counter; the
+//      block that brings it to n resets it to 0 (so a CUDA graph needs no memset node) and combines the
+//      n partials in split order (deterministic, whichever block is last).
+//   4. int8 output: static amax -> each unit's finishing block quantizes its own heads; dynamic ->
+//      after writing its heads' fp16 output the finishing block bumps the row's counter, and the row's
+//      last block reads the row's H * D fp16 values back (L2), takes amax and quantizes, so q_out equals
+//      quantize_ref(out) bit for bit.
+//   counters int32 [units + B], zero before the first launch, zero again after every launch.
+namespace fused {
+
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int STAGE = WARPS * 16;  // positions per pipeline stage: one 16-position tile per warp
+constexpr int NBUF = 2;            // stages resident in shared memory
+constexpr int PH_STRIDE = 24;      // halves per head row of a warp's P tile: conflict-free reads and writes
+constexpr int MAX_SPLITS = 512;
+
+// Shared-memory layout, mirrored by attention_decode.fused_smem_bytes: NBUF x [K | V | k scales | v
+// scales], then the warps' P tiles. Rows are padded by 16 bytes so the 8 rows one ldmatrix phase reads
+// start in 8 different bank groups.
+template <int D, bool KV8>
+struct Geom {
+    static constexpr int RB = KV8 ? D : 2 * D;  // cache bytes per position
+    static constexpr int ROW = RB + 16;
+    static constexpr int CHUNKS = RB / 16;      // 16-byte copies per position
+    static constexpr int KV_BYTES = STAGE * ROW;
+    static constexpr int BUF_BYTES = 2 * KV_BYTES + (KV8 ? 2 * STAGE * 4 : 0);
+    static constexpr int PH_BYTES = WARPS * SLOTS * PH_STRIDE * 2;
+    static constexpr int SMEM = NBUF * BUF_BYTES + PH_BYTES;
+    static constexpr int PER_THREAD = STAGE * CHUNKS / THREADS;
+    static_assert(STAGE * CHUNKS % THREADS == 0, "a stage's copies must split evenly over the threads");
+    static_assert(THREADS == 2 * STAGE, "one thread per int8 scale of a stage");
+    // the warps' merge area and the combine's weights reuse the stage buffers
+    static_assert(WARPS * SLOTS * (D + 2) * 4 <= NBUF * BUF_BYTES, "merge area overflows the stage buffers");
+    static_assert(SLOTS * MAX_SPLITS * 4 <= NBUF * BUF_BYTES, "combine weights overflow the stage buffers");
+};
+
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(ok ? 4 : 0));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                              uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// Copies of stage positions [p0, p0 + STAGE) of one (row, kv head) into buf; zero past `hi`.
+template <int D, bool KV8>
+__device__ __forceinline__ void issue_stage(unsigned char* buf, const void* k_cache, const void* v_cache,
+                                            const float* k_scale, const float* v_scale, size_t row0, int p0,
+                                            int hi) {
+    using G = Geom<D, KV8>;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < G::PER_THREAD; ++i) {
+        const int idx = tid + i * THREADS, p = idx / G::CHUNKS, c = idx % G::CHUNKS;
+        const bool ok = p0 + p < hi;
+        const size_t off = (row0 + (ok ? p0 + p : 0)) * G::RB + 16 * c;  // a valid address even when !ok
+        cp_async16(buf + p * G::ROW + 16 * c, static_cast<const char*>(k_cache) + off, ok);
+        cp_async16(buf + G::KV_BYTES + p * G::ROW + 16 * c, static_cast<const char*>(v_cache) + off, ok);
+    }
+    if (KV8) {
+        float* scales = reinterpret_cast<float*>(buf + 2 * G::KV_BYTES);  // [k: STAGE | v: STAGE]
+        const int p = tid % STAGE;
+        const bool ok = p0 + p < hi;
+        const float* src = (tid < STAGE ? k_scale : v_scale) + row0 + (ok ? p0 + p : 0);
+        cp_async4(scales + tid, src, ok);
+    }
+}
+
+// P slot of tile position p in a warp's transpose buffer: the order in which the PV mma's B operand
+// wants them (lane t reads slots 4t .. 4t + 3 with one 8-byte load). fp16 V comes through ldmatrix.trans
+// in natural position order (B = positions 2t, 2t + 1, 2t + 8, 2t + 9); int8 V through the prmt
+// transpose of positions 4t .. 4t + 3.
+template <bool KV8>
+__device__ __forceinline__ int p_slot(int p) {
+    if (KV8) return p;
+    return 4 * ((p & 7) >> 1) + 2 * (p >> 3) + (p & 1);
+}
+
+// Dimension of accumulator o[mt][r] for lane group g.
+template <int D, bool KV8>
+__device__ __forceinline__ int acc_dim(int mt, int r, int g) {
+    if (KV8) return 8 * (g + 8 * (mt >> 2)) + 2 * (mt & 3) + (r >> 1);  // mt = 4i + jp, as attn_decode
+    return 16 * mt + g + 8 * (r >> 1);
+}
+
+template <int D, bool KV8>
+__device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __restrict__ q_out,
+                                           float* __restrict__ a_scale, const float* __restrict__ static_amax,
+                                           float* __restrict__ part_o, float* __restrict__ part_ml,
+                                           int* __restrict__ counters, const __half* __restrict__ q,
+                                           const void* __restrict__ k_cache, const void* __restrict__ v_cache,
+                                           const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                           const int* __restrict__ lengths, int H, int Hkv, int L, int S,
+                                           int span_tiles, float scale_log2) {
+    using G = Geom<D, KV8>;
+    constexpr int MT = D / 16;  // 16-dim tiles of the output, 16-dim k steps of the scores
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int s_last;
+    __shared__ float s_red[32];
+    __shared__ float s_l[SLOTS];
+
+    if (dynamic_smem_size() < (uint32_t)G::SMEM) __trap();  // the launcher disagrees with this layout
+
+    const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
+    const int units = gridDim.y, u = blockIdx.y, split = blockIdx.x;
+    const int hg = u % HG, kvh = (u / HG) % Hkv, b = u / (HG * Hkv);
+    const int len = min(max(lengths[b], 0), L);
+    const int ntiles = (len + 15) / 16;
+    const int tps = span_tiles > 0 ? span_tiles : max(1, (ntiles + S - 1) / S);
+    const int n_act = len > 0 ? (ntiles + tps - 1) / tps : 1;  // an empty row: block 0 writes zeros
+    if (split >= n_act) return;  // whole block, before any barrier
+
+    const int slots = min(SLOTS, R - hg * SLOTS), head0 = kvh * R + hg * SLOTS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const size_t row0 = ((size_t)b * Hkv + kvh) * L;
+    float* wo = reinterpret_cast<float*>(smem);  // merge area [WARPS][SLOTS][D], then m, l [WARPS][SLOTS]
+    float* wm = wo + WARPS * SLOTS * D;
+    float* wl = wm + WARPS * SLOTS;
+
+    if (len > 0) {
+        const int lo = split * tps * 16, hi = min(lo + tps * 16, len);
+        const int nstages = (hi - lo + STAGE - 1) / STAGE;
+
+        // the query heads as the B operand, in the k order the K fragments come in
+        uint32_t qb[MT][2];
+        {
+            const bool qok = g < slots;
+            const __half* qrow = q + ((size_t)b * H + head0 + (qok ? g : 0)) * D;
+#pragma unroll
+            for (int st = 0; st < MT; ++st) {
+                if (KV8) {  // lane t's dims [t D/4, (t + 1) D/4) as pairs, word 2 st and 2 st + 1
+                    const uint2 w = ld_cached8(qrow + t * (D / 4) + 4 * st, qok);
+                    qb[st][0] = w.x;
+                    qb[st][1] = w.y;
+                } else {  // natural: dims 16 st + 2t (+1) and 16 st + 8 + 2t (+1)
+                    qb[st][0] = qok ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * st + 2 * t)) : 0u;
+                    qb[st][1] = qok ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * st + 8 + 2 * t)) : 0u;
+                }
+            }
+        }
+
+        float o[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) o[mt][r] = 0.0f;
+        float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2t, 2t + 1
+        __half* ph = reinterpret_cast<__half*>(smem + NBUF * G::BUF_BYTES) + warp * SLOTS * PH_STRIDE;
+
+#pragma unroll
+        for (int s = 0; s < NBUF - 1; ++s) {
+            if (s < nstages)
+                issue_stage<D, KV8>(smem + s * G::BUF_BYTES, k_cache, v_cache, k_scale, v_scale, row0,
+                                    lo + s * STAGE, hi);
+            cp_async_commit();
+        }
+        for (int s = 0; s < nstages; ++s) {
+            cp_async_wait<NBUF - 2>();
+            __syncthreads();  // stage s landed for every thread; every warp is done with stage s - 1
+            {
+                const int sn = s + NBUF - 1;
+                if (sn < nstages)
+                    issue_stage<D, KV8>(smem + (sn % NBUF) * G::BUF_BYTES, k_cache, v_cache, k_scale, v_scale,
+                                        row0, lo + sn * STAGE, hi);
+                cp_async_commit();  // possibly empty: keeps the group count uniform
+            }
+            const int t0 = lo + s * STAGE + 16 * warp;  // this warp's tile
+            if (t0 >= hi) continue;                    // warp-uniform
+            const unsigned char* kt = smem + (s % NBUF) * G::BUF_BYTES + 16 * warp * G::ROW;
+            const unsigned char* vt = kt + G::KV_BYTES;
+            const float* ksc = reinterpret_cast<const float*>(smem + (s % NBUF) * G::BUF_BYTES + 2 * G::KV_BYTES) +
+                               16 * warp;
+
+            // scores: rows g, g + 8 = positions, columns 2t, 2t + 1 = head slots
+            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (KV8) {
+                uint32_t kl[D / 8], kh[D / 8];
+#pragma unroll
+                for (int j = 0; j < D / 64; ++j) {
+                    const uint4 rl = *reinterpret_cast<const uint4*>(kt + g * G::ROW + t * (D / 4) + 16 * j);
+                    const uint4 rh = *reinterpret_cast<const uint4*>(kt + (g + 8) * G::ROW + t * (D / 4) + 16 * j);
+                    i8x4_to_h2x2(rl.x, kl[8 * j + 0], kl[8 * j + 1]);
+                    i8x4_to_h2x2(rl.y, kl[8 * j + 2], kl[8 * j + 3]);
+                    i8x4_to_h2x2(rl.z, kl[8 * j + 4], kl[8 * j + 5]);
+                    i8x4_to_h2x2(rl.w, kl[8 * j + 6], kl[8 * j + 7]);
+                    i8x4_to_h2x2(rh.x, kh[8 * j + 0], kh[8 * j + 1]);
+                    i8x4_to_h2x2(rh.y, kh[8 * j + 2], kh[8 * j + 3]);
+                    i8x4_to_h2x2(rh.z, kh[8 * j + 4], kh[8 * j + 5]);
+                    i8x4_to_h2x2(rh.w, kh[8 * j + 6], kh[8 * j + 7]);
+                }
+#pragma unroll
+                for (int st = 0; st < MT; ++st)
+                    mma_f16_16816(sc, kl[2 * st], kh[2 * st], kl[2 * st + 1], kh[2 * st + 1], qb[st][0], qb[st][1]);
+            } else {
+                const uint32_t ka = smem_addr(kt + ((lane & 7) + 8 * ((lane >> 3) & 1)) * G::ROW + 16 * (lane >> 4));
+#pragma unroll
+                for (int st = 0; st < MT; ++st) {
+                    uint32_t a0, a1, a2, a3;
+                    ldsm_x4(ka + 32 * st, a0, a1, a2, a3);
+                    mma_f16_16816(sc, a0, a1, a2, a3, qb[st][0], qb[st][1]);
+                }
+            }
+            const bool okl = t0 + g < hi, okh = t0 + g + 8 < hi;
+            float fl = scale_log2, fh = scale_log2;
+            if (KV8) {
+                fl *= ksc[g];
+                fh *= ksc[g + 8];
+            }
+            const float x0 = okl ? sc[0] * fl : -INFINITY, x1 = okl ? sc[1] * fl : -INFINITY;
+            const float x2 = okh ? sc[2] * fh : -INFINITY, x3 = okh ? sc[3] * fh : -INFINITY;
+
+            // online softmax: the tile's max over its 16 positions (lanes of equal t), finite since
+            // position t0 is valid
+            float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, off));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, off));
+            }
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);  // 0 on the warp's first tile
+            m0 = mn0;
+            m1 = mn1;
+            const __half p0 = __float2half_rn(exp2f(x0 - mn0)), p1 = __float2half_rn(exp2f(x1 - mn1));
+            const __half p2 = __float2half_rn(exp2f(x2 - mn0)), p3 = __float2half_rn(exp2f(x3 - mn1));
+            l0 = l0 * al0 + (__half2float(p0) + __half2float(p2));
+            l1 = l1 * al1 + (__half2float(p1) + __half2float(p3));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                o[mt][0] *= al0;
+                o[mt][1] *= al1;
+                o[mt][2] *= al0;
+                o[mt][3] *= al1;
+            }
+            __syncwarp();  // the previous tile's P reads are done
+            ph[2 * t * PH_STRIDE + p_slot<KV8>(g)] = p0;
+            ph[(2 * t + 1) * PH_STRIDE + p_slot<KV8>(g)] = p1;
+            ph[2 * t * PH_STRIDE + p_slot<KV8>(g + 8)] = p2;
+            ph[(2 * t + 1) * PH_STRIDE + p_slot<KV8>(g + 8)] = p3;
+            __syncwarp();
+            const uint2 pp = *reinterpret_cast<const uint2*>(ph + g * PH_STRIDE + 4 * t);  // head g
+
+            // O^T += V^T P^T: rows = dims, columns = head slots
+            if (KV8) {
+                const float* vsc = ksc + STAGE;
+#pragma unroll
+                for (int i = 0; i < D / 64; ++i) {
+                    uint4 v[4];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const uint2 raw = *reinterpret_cast<const uint2*>(vt + (4 * t + r) * G::ROW + 8 * (g + 8 * i));
+                        i8x4_to_h2x2(raw.x, v[r].x, v[r].y);
+                        i8x4_to_h2x2(raw.y, v[r].z, v[r].w);
+                        v[r] = scale8(v[r], vsc[4 * t + r]);
+                    }
+#pragma unroll
+                    for (int jp = 0; jp < 4; ++jp) {
+                        const uint32_t a0 = pair_lo(word(v[0], jp), word(v[1], jp));
+                        const uint32_t a1 = pair_hi(word(v[0], jp), word(v[1], jp));
+                        const uint32_t a2 = pair_lo(word(v[2], jp), word(v[3], jp));
+                        const uint32_t a3 = pair_hi(word(v[2], jp), word(v[3], jp));
+                        mma_f16_16816(o[4 * i + jp], a0, a1, a2, a3, pp.x, pp.y);
+                    }
+                }
+            } else {
+                const uint32_t va = smem_addr(vt + ((lane & 7) + 8 * (lane >> 4)) * G::ROW + 16 * ((lane >> 3) & 1));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    uint32_t a0, a1, a2, a3;
+                    ldsm_x4_trans(va + 32 * mt, a0, a1, a2, a3);
+                    mma_f16_16816(o[mt], a0, a1, a2, a3, pp.x, pp.y);
+                }
+            }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // the stage buffers become the merge area
+
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            l0 += __shfl_xor_sync(FULL_MASK, l0, off);
+            l1 += __shfl_xor_sync(FULL_MASK, l1, off);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                wo[(warp * SLOTS + 2 * t + (r & 1)) * D + acc_dim<D, KV8>(mt, r, g)] = o[mt][r];
+        if (g == 0) {
+            wm[warp * SLOTS + 2 * t] = m0;
+            wm[warp * SLOTS + 2 * t + 1] = m1;
+            wl[warp * SLOTS + 2 * t] = l0;
+            wl[warp * SLOTS + 2 * t + 1] = l1;
+        }
+        __syncthreads();
+    }
+
+    // the block's result per (head slot, dim): final when the unit has one block, else a partial
+    const size_t out_row = (size_t)b * H * D;  // out / q_out offset of row b
+    const bool quant_static = q_out != nullptr && static_amax != nullptr;
+    const float inv_static = quant_static ? __fdiv_rn(127.0f, clamp_amax(*static_amax)) : 0.0f;
+    for (int e = tid; e < slots * D; e += THREADS) {
+        const int h = e / D, d = e % D;
+        float acc = 0.0f, l = 0.0f, m = -INFINITY;
+        if (len > 0) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float f = exp2f(wm[w * SLOTS + h] - m);
+                l += f * wl[w * SLOTS + h];
+                acc += f * wo[(w * SLOTS + h) * D + d];
+            }
+        }
+        if (n_act == 1) {
+            const __half y = __float2half_rn(len > 0 ? acc / l : 0.0f);  // an empty row attends to nothing
+            out[out_row + (size_t)(head0 + h) * D + d] = y;
+            if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+        } else {
+            const size_t ph_idx = ((size_t)b * H + head0 + h) * S + split;
+            part_o[ph_idx * D + d] = acc;
+            if (d == 0) {
+                part_ml[2 * ph_idx] = m;
+                part_ml[2 * ph_idx + 1] = l;
+            }
+        }
+    }
+
+    if (n_act > 1) {  // threadFenceReduction: publish the partial, count it, the last block combines
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const int prev = atomicAdd(&counters[u], 1);
+            s_last = prev == n_act - 1;
+            if (s_last) atomicExch(&counters[u], 0);  // every block of this unit has counted
+        }
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+        float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M)
+        for (int h = warp; h < slots; h += WARPS) {
+            const float* ml = part_ml + ((size_t)b * H + head0 + h) * S * 2;
+            float m = -INFINITY;
+            for (int c = lane; c < n_act; c += 32) m = fmaxf(m, __ldcg(ml + 2 * c));
+            m = warp_max(m);
+            float l = 0.0f;
+            for (int c = lane; c < n_act; c += 32) {
+                const float w = exp2f(__ldcg(ml + 2 * c) - m);
+                wts[h * S + c] = w;
+                l += w * __ldcg(ml + 2 * c + 1);
+            }
+            l = warp_sum(l);
+            if (lane == 0) s_l[h] = l;
+        }
+        __syncthreads();
+        for (int e = tid; e < slots * D; e += THREADS) {
+            const int h = e / D, d = e % D;
+            const float* po = part_o + ((size_t)b * H + head0 + h) * S * D + d;
+            float acc = 0.0f;
+#pragma unroll 4
+            for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * __ldcg(po + (size_t)c * D);
+            const __half y = __float2half_rn(acc / s_l[h]);
+            out[out_row + (size_t)(head0 + h) * D + d] = y;
+            if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+        }
+    }
+
+    // this block finished its unit's heads
+    if (q_out == nullptr) return;
+    if (quant_static) {
+        if (tid == 0 && kvh == 0 && hg == 0) a_scale[b] = __fdiv_rn(clamp_amax(*static_amax), 127.0f);
+        return;
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const int prev = atomicAdd(&counters[units + b], 1);
+        s_last = prev == Hkv * HG - 1;
+        if (s_last) atomicExch(&counters[units + b], 0);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // the row's last unit: per-token dynamic quantization over all H * D values (quantize.cu's rule)
+    const uint4* row = reinterpret_cast<const uint4*>(out + out_row);
+    const int nvec = H * D / 8;
+    float amax = 0.0f;
+    for (int c = tid; c < nvec; c += THREADS) {
+        const uint4 v = __ldcg(row + c);
+        amax = fmaxf(amax, half8_absmax(*reinterpret_cast<const Half8*>(&v)));
+    }
+    amax = clamp_amax(block_max(amax, s_red));
+    const float inv = __fdiv_rn(127.0f, amax);
+    for (int c = tid; c < nvec; c += THREADS) {
+        const uint4 v = __ldcg(row + c);
+        quantize_store8(q_out + out_row + 8 * c, *reinterpret_cast<const Half8*>(&v), inv);
+    }
+    if (tid == 0) a_scale[b] = __fdiv_rn(amax, 127.0f);
+}
+
+}  // namespace fused
+
+// (out fp16 [B,H,D], q_out int8 [B,H*D] or null, a_scale f32 [B] or null, static_amax f32 [1] or null,
+//  part_o f32 [B,H,S,D], part_ml f32 [B,H,S,2], counters i32 [units + B] (zero), q fp16 [B,H,D],
+//  k_cache, v_cache [B,Hkv,L,D] fp16 or int8, k_scale, v_scale f32 [B,Hkv,L] or null, lengths i32 [B],
+//  int H, int Hkv, int L, int S, int span_tiles (0: split the length evenly over S), float scale_log2)
+// grid (S, B * Hkv * ceil(H / Hkv / 8)), block 128, dynamic shared memory Geom<D, KV8>::SMEM.
+// MINB: resident blocks per SM the launcher counts on (d128 fp16: shared memory allows 3; others 4).
+#define FLLAMA_ATTN_FUSED(NAME, D, KV8, MINB)                                                               \
+    extern "C" __global__ void __launch_bounds__(fused::THREADS, MINB)                                      \
+        NAME(__half* out, int8_t* q_out, float* a_scale, const float* static_amax, float* part_o,          \
+             float* part_ml, int* counters, const __half* q, const void* k_cache, const void* v_cache,     \
+             const float* k_scale, const float* v_scale, const int* lengths, int H, int Hkv, int L, int S, \
+             int span_tiles, float scale_log2) {                                                           \
+        fused::attn_fused<D, KV8>(out, q_out, a_scale, static_amax, part_o, part_ml, counters, q, k_cache, \
+                                  v_cache, k_scale, v_scale, lengths, H, Hkv, L, S, span_tiles,            \
+                                  scale_log2);                                                             \
+    }
+
+FLLAMA_ATTN_FUSED(attn_fused_d64, 64, false, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d128, 128, false, 3)
+FLLAMA_ATTN_FUSED(attn_fused_d64_kv8, 64, true, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d128_kv8, 128, true, 4)

@@ -4,13 +4,19 @@
     fp32 [B, Hkv, L] (value = code * scale) -- lengths int32 [B] on the device (valid positions, the new
     token included). out[b, h] = softmax(q . K^T / sqrt(D)) V over positions [0, lengths[b]).
 
-The sequence is split into chunks whose size depends only on (L, B, Hkv) and the SM count, so one CUDA
-graph serves every step; blocks whose chunk starts past a row's length exit at once. D is 64 or 128.
+Two launch paths (D is 64 or 128):
+- fused (default): one kernel. Each (row, kv head, head group) unit's context is split evenly at run time
+  over up to S blocks (S fixed by the batch, heads and SM count, so one CUDA graph serves every step);
+  the last block of a unit to finish combines the partials, found with a per-unit counter that the
+  kernel puts back to zero itself. `attention_decode_quant` also quantizes the output per token to int8
+  (the quantize.py rule over each row's H * D values) in the same launch.
+- fused=False: the two-kernel flash-decoding path (chunks of up to 512 positions, then a combine).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -21,11 +27,81 @@ from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count
 HEAD_DIMS = (64, 128)
 SLOTS = 8  # query heads per block
 
+# fused kernel geometry: mirrors fused::Geom in attention_decode.cu (the kernel traps on a mismatch)
+FUSED_WARPS = 4
+FUSED_THREADS = 32 * FUSED_WARPS
+FUSED_STAGE = 16 * FUSED_WARPS  # positions per pipeline stage
+FUSED_NBUF = 2  # stages resident in shared memory
+FUSED_PH_STRIDE = 24  # halves per head row of a warp's P tile
+MAX_SPLITS = 512
+FUSED_STATIC_SMEM = 176  # bytes of static shared memory (ptxas)
+BLOCK_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident block (sm_80 and later)
+MAX_BLOCKS_PER_SM = 4  # the register budget (<= 128 per thread except d128 fp16, which smem caps at 3)
+COUNTERS_MIN = 1 << 16  # int32 counters kept per device; grown (never under capture) when a launch needs more
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> int32 counters, all zero between launches
+_RETIRED: list[torch.Tensor] = []  # outgrown counters: graphs captured earlier still point at them
+
+
+@dataclass(frozen=True)
+class FusedLaunch:
+    """Grid and shared memory of one fused launch: grid (splits, units), FUSED_THREADS threads."""
+    splits: int  # S: blocks per unit; a row's tiles are spread over the first n <= S of them
+    span_tiles: int  # 0: tiles per block = ceil(tiles / S) at run time; else fixed (the `chunk` option)
+    units: int  # B * Hkv * head groups
+    smem: int  # dynamic shared memory bytes
+
+    def __post_init__(self):
+        if not 1 <= self.splits <= MAX_SPLITS:
+            raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {self.splits}")
+        if self.span_tiles < 0 or self.units < 0 or self.smem <= 0:
+            raise ValueError(f"bad fused launch {self}")
+
+
+def fused_smem_bytes(D: int, kv8: bool) -> int:
+    """Dynamic shared memory of attn_fused_d{D}[_kv8]: NBUF stages of [K | V | scales] + the P tiles."""
+    row = (D if kv8 else 2 * D) + 16  # one position, padded by 16 bytes against bank conflicts
+    buf = 2 * FUSED_STAGE * row + (2 * FUSED_STAGE * 4 if kv8 else 0)
+    return FUSED_NBUF * buf + FUSED_WARPS * SLOTS * FUSED_PH_STRIDE * 2
+
+
+def fused_blocks_per_sm(D: int, kv8: bool, smem_per_sm: int) -> int:
+    per_block = fused_smem_bytes(D, kv8) + FUSED_STATIC_SMEM + BLOCK_RESERVED_SMEM
+    return max(1, min(MAX_BLOCKS_PER_SM, smem_per_sm // per_block))
+
+
+def fused_launch(L: int, B: int, Hkv: int, groups: int, D: int, kv8: bool, sms: int, smem_per_sm: int,
+                 chunk: int | None = None, splits: int | None = None) -> FusedLaunch:
+    """Splits per unit: enough blocks for one full wave (blocks per SM x SMs) when the rows are long.
+
+    Depends on the cache shape, batch and device only (never on the lengths), so one graph serves every
+    step. `chunk` instead fixes the positions per block (a multiple of 16) and S = ceil(L / chunk);
+    `splits` forces S (tuning).
+    """
+    units = B * Hkv * groups
+    smem = fused_smem_bytes(D, kv8)
+    if chunk is not None:
+        if chunk % 16 or chunk < 16:
+            raise ValueError(f"chunk must be a positive multiple of 16, got {chunk}")
+        splits = max(1, cdiv(L, chunk))
+        if splits > MAX_SPLITS:
+            raise ValueError(f"chunk {chunk} splits {L} positions into {splits} > {MAX_SPLITS} blocks")
+        return FusedLaunch(splits, chunk // 16, units, smem)
+    if splits is None:
+        wave = fused_blocks_per_sm(D, kv8, smem_per_sm) * sms
+        splits = max(1, min(wave // max(units, 1), MAX_SPLITS, cdiv(max(L, 1), 16)))
+    return FusedLaunch(splits, 0, units, smem)
+
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
-    """-> out fp16 [B, H, D]; `chunk` forces the positions per block (a multiple of 16 up to 512)."""
+                     out: torch.Tensor | None = None, chunk: int | None = None, fused: bool = True) -> torch.Tensor:
+    """-> out fp16 [B, H, D]. fused: one launch (chunk, if given, fixes the positions per block: a multiple
+    of 16); fused=False: the two-kernel path (chunk: a multiple of 16 up to 512)."""
+    if fused:
+        out, _, _ = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False)
+        return out
     B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     groups = cdiv(H // Hkv, SLOTS)
     cs = chunk or attn_chunk(L, B, Hkv, groups, sm_count(q.device.index))
@@ -45,6 +121,81 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         combine = build.get_function("attention_decode.cu", "attn_decode_combine", "PPPPiiiii")
         combine((B * H,), (128,), out, part_o, part_ml, lengths, H, L, cs, C, D)
     return out
+
+
+def attention_decode_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                           static_amax: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           q_out: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                           chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention quantized per token in the same launch -> (q_out int8 [B, H * D], a_scale fp32 [B]).
+
+    q_out equals quantize_ref(out.reshape(B, H * D), static_amax) bit for bit, where out is the fp16
+    attention output (written to `out` [B, H, D] when given, else to scratch). static_amax: fp32 tensor of
+    one element on the GPU (a graph keeps reading it), or None for dynamic per-row amax.
+    """
+    _, q_out, a_scale = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
+                                      static_amax=static_amax, q_out=q_out, a_scale=a_scale)
+    return q_out, a_scale
+
+
+def reset_counters() -> None:
+    """Zero the fused kernels' counters (only needed after a launch was aborted mid-way)."""
+    for c in [*_COUNTERS.values(), *_RETIRED]:
+        c.zero_()
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The device's zeroed int32 counters, at least n of them. Allocated outside any graph capture: a
+    captured launch must point at memory that outlives the capture's private pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    have = _COUNTERS.get(index)
+    if have is None or have.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attention counters must grow to {n} during graph capture: run the same "
+                               "call once before capturing")
+        if have is not None:
+            _RETIRED.append(have)
+        _COUNTERS[index] = torch.zeros(max(n, COUNTERS_MIN), dtype=torch.int32, device=device)  # [n]
+    return _COUNTERS[index]
+
+
+def _smem_per_sm(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+
+
+def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant: bool,
+                  static_amax=None, q_out=None, a_scale=None, splits: int | None = None):
+    B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+    kv8 = k_cache.dtype == torch.int8
+    if static_amax is not None:
+        check_tensor(static_amax, "static_amax", torch.float32, align=4)
+        if static_amax.numel() != 1:
+            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    groups = cdiv(H // Hkv, SLOTS)
+    if B * Hkv * groups > 65535:
+        raise ValueError(f"batch {B} x {Hkv} kv heads x {groups} head groups exceeds the grid's 65535 units")
+    launch = fused_launch(L, B, Hkv, groups, D, kv8, sm_count(q.device.index), _smem_per_sm(q.device), chunk,
+                          splits)
+    with build.on_stream():
+        # the dynamic quantization reads a row of out back with 16-byte loads
+        out = out_or_new(out, (B, H, D), torch.float16, q, "out", align=16 if quant else 2)
+        if quant:
+            q_out = out_or_new(q_out, (B, H * D), torch.int8, q, "q_out", align=16)
+            a_scale = out_or_new(a_scale, (B,), torch.float32, q, "a_scale", align=4)
+        if B == 0:
+            return out, q_out, a_scale
+        counters = _counters(q.device, launch.units + B)
+        S = launch.splits
+        part_o = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
+        part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
+        name = f"attn_fused_d{D}{'_kv8' if kv8 else ''}"
+        fn = build.get_function("attention_decode.cu", name, "PPPPPPPPPPPPPiiiiif")
+        fn((S, launch.units), (FUSED_THREADS,), out, q_out if quant else None, a_scale if quant else None,
+           static_amax if quant else None, part_o, part_ml, counters, q, k_cache, v_cache, k_scale, v_scale,
+           lengths, H, Hkv, L, S, launch.span_tiles, math.log2(math.e) / math.sqrt(D), shared=launch.smem)
+    return out, q_out, a_scale
 
 
 def attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,

@@ -75,8 +75,9 @@ __device__ __forceinline__ void load_group_cols(GroupCols& gc, const uint32_t* _
 }
 
 template <int MT>
-__device__ __forceinline__ void awq_gemm(__half* __restrict__ y, float* __restrict__ partial, int* __restrict__ counters,
-                                         const __half* __restrict__ residual, const __half* __restrict__ x,
+__device__ __forceinline__ void awq_gemm(__half* __restrict__ y, float* __restrict__ partial,
+                                         int* __restrict__ counters, const __half* __restrict__ residual,
+                                         const __half* __restrict__ x,
                                          const uint32_t* __restrict__ qweight, const uint32_t* __restrict__ qzeros,
                                          const __half* __restrict__ scales, int M, int N, int K, int G,
                                          int tiles_per_warp) {
@@ -269,6 +270,8 @@ __device__ __forceinline__ void awq_dequant(__half* __restrict__ w_hat, const ui
 // (y fp16 [M,N], partial f32 [splits,M,N], counters i32 [grid.x * grid.z] (zero; left zero), residual fp16
 //  [M,N] or null, x fp16 [M,K], qweight i32 [K,N/8], qzeros i32 [K/G,N/8], scales fp16 [K/G,N],
 //  int M, int N, int K, int G, int tiles_per_warp)
+// ptxas lands at 168 / 255 registers (MT 1 / 2): 3 / 2 resident blocks, as gemm_shapes.AWQ_BLOCKS_PER_SM says.
+// (A min-blocks bound of 3 makes it spill at MT = 1; without it the allocation already fits three.)
 #define FLLAMA_AWQ_GEMM(NAME, MT)                                                                          \
     extern "C" __global__ void __launch_bounds__(128)                                                      \
         NAME(__half* y, float* partial, int* counters, const __half* residual, const __half* x,           \

@@ -4,8 +4,9 @@
     w_hat[k, n] = fp16((q - z) * s)      y = x @ w_hat with fp32 accumulation   (+ residual, an fp16 add)
 
 M <= GEMV_MAX_M: awq_gemm kernel reading the packed weight directly, one launch (split over K; the last
-block of each 256-column strip sums the fp32 partials in split order, found through a counter per strip). Larger M: awq_dequant writes w_hat [K, N] and cuBLAS multiplies (vLLM
-switches at 256 tokens; our small-M kernel re-reads the weight per 16 tokens, so it stops earlier).
+block of each 256-column strip sums the fp32 partials in split order, found through a counter per strip).
+Larger M: awq_dequant writes w_hat [K, N] and cuBLAS multiplies (vLLM switches at 256 tokens; our small-M
+kernel re-reads the weight per 16 tokens, so it stops earlier).
 Shapes the kernels do not take (N % 32, G % 16) fall back to the torch dequantizer.
 """
 

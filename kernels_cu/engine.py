@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kernels_cu import build
-from kernels_cu.attention_decode import attention_decode
+from kernels_cu.attention_decode import attention_decode, attention_decode_quant
 from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.embedding import embedding
@@ -258,8 +258,10 @@ class Engine:
         c, L = self.config, self.layers[i]
         qkv = L.qkv(self._norm_in(h, L.attn_norm, L.qkv))  # [T, (nh + 2 nkv) d]
         q = rope_kv(qkv, self.cos_sin, pos, row, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads)  # [T, nh, d]
-        o = attend(i, q)  # [T, nh * d]
-        h = L.o(quantize(o, L.o.amax) if L.o.int8 else o, residual=h)  # [T, H]
+        o = attend(i, q)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
+        if L.o.int8 and not isinstance(o, tuple):
+            o = quantize(o, L.o.amax)
+        h = L.o(o, residual=h)  # [T, H]
         gu = L.gate_up(self._norm_in(h, L.ffn_norm, L.gate_up))  # [T, 2F]
         a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
         return L.down(a, residual=h)  # [T, H]
@@ -357,7 +359,10 @@ class Engine:
         h = embedding(self.embed, st["tokens"])  # [Bb, H]
         c = self.config
 
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, q: torch.Tensor):
+            o_op = self.layers[i].o
+            if o_op.int8:  # one kernel: attention, combine and the o_proj input's int8 quantization
+                return attention_decode_quant(q, cache.k[i], cache.v[i], lens, o_op.amax)
             return attention_decode(q, cache.k[i], cache.v[i], lens).reshape(-1, c.q_size)
 
         for i in range(c.n_layers):

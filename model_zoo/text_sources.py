@@ -15,7 +15,8 @@ import torch
 
 from model_zoo.errors import ConfigError, TextSourceError
 
-# name -> (first line, last line) of big.txt, 1-based and inclusive
+# name -> lines[first:last] of big.txt as a Python slice (0-based, end exclusive): REFERENCE.md section 8's
+# ranges, taken the way its published perplexities were (Sherlock starts after the "*** START" line: 29.11)
 GUTENBERG: dict[str, tuple[int, int]] = {
     "sherlock": (40, 5183),  # The Adventures of Sherlock Holmes
     "history": (5522, 29556),  # History of the United States
@@ -78,8 +79,8 @@ def _gutenberg(book: str) -> str:
     if book not in GUTENBERG:
         raise TextSourceError(f"unknown book {book!r}; books: " + ", ".join(f"gutenberg:{b}" for b in GUTENBERG))
     first, last = GUTENBERG[book]
-    lines = _big_txt().read_text(encoding="utf-8").split("\n")  # numbered as sed and wc -l number them
-    return "\n".join(lines[first - 1:last]) + "\n"
+    lines = _big_txt().read_text(encoding="utf-8").split("\n")
+    return "\n".join(lines[first:last]) + "\n"
 
 
 def _big_txt() -> Path:

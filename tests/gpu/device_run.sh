@@ -13,6 +13,8 @@ for step in "$@"; do
       FLLAMA_CUDA_SYNC=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 5 python -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider -k "not large and not bench" 2>&1 | tail -n 8
       timeout 200 compute-sanitizer --tool racecheck --print-limit 5 python -m pytest -m gpu tests/gpu/test_sampling.py tests/gpu/test_attention.py tests/gpu/test_rmsnorm.py tests/gpu/test_int8_gemm.py tests/gpu/test_awq_gemm.py -q -x -p no:cacheprovider -k "not large" 2>&1 | tail -n 8 ;;
     micro) timeout 200 python -m kernels_cu.microbench --json "$out/micro.json" 2>&1 | tail -n 45 ;;
+    microq) timeout 150 python -m kernels_cu.microbench --only awq,int8 --ms 1,8,16 2>&1 | tail -n 30 ;;
+    attnbench) timeout 120 python -m kernels_cu.attention_bench --batch 1,8,32 --ctx 576,2048 2>&1 | tail -n 20 ;;
     engine) timeout 300 python -m pytest -m gpu tests/gpu/test_engine.py -q -p no:cacheprovider -rf 2>&1 | tail -n 40 ;;
     e2e)  # real SmolLM2 layers (a slice, see smollm2_slice.py): quantize on the CPU, run on the GPU
       src=.gpu-data/smollm2-8l.gguf
