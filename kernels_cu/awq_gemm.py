@@ -3,10 +3,9 @@
     qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N]   (calibrate/awq_pack.py)
     w_hat[k, n] = fp16((q - z) * s)      y = x @ w_hat with fp32 accumulation   (+ residual, an fp16 add)
 
-M <= GEMV_MAX_M: awq_gemm kernel reading the packed weight directly, one launch (split over K; the last
-block of each 256-column strip sums the fp32 partials in split order, found through a counter per strip).
-Larger M: awq_dequant writes w_hat [K, N] and cuBLAS multiplies (vLLM switches at 256 tokens; our small-M
-kernel re-reads the weight per 16 tokens, so it stops earlier).
+M <= GEMV_MAX_M: awq_gemm kernel reading the packed weight directly (split over K, fp32 partials summed
+by awq_reduce in a fixed order). Larger M: awq_dequant writes w_hat [K, N] and cuBLAS multiplies (vLLM
+switches at 256 tokens; our small-M kernel re-reads the weight per 16 tokens, so it stops earlier).
 Shapes the kernels do not take (N % 32, G % 16) fall back to the torch dequantizer.
 """
 
@@ -35,12 +34,13 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         if M == 0:
             return y
         launch = awq_launch(M, N, K, sm_count(x.device.index), splits)
-        grid = launch.grid(M, N)
         partial = torch.empty((launch.splits, M, N), dtype=torch.float32, device=x.device)  # [S, M, N]
-        counters = _strip_counters(x.device, grid[0] * grid[2])
-        gemm = build.get_function("awq_gemm.cu", f"awq_gemm_mt{launch.mt}", "PPPPPPPPiiiii")
-        gemm(grid, (32 * AWQ_WARPS,), y, partial, counters, residual, x, qweight, qzeros, scales, M, N, K, G,
+        gemm = build.get_function("awq_gemm.cu", f"awq_gemm_mt{launch.mt}", "PPPPPiiiii")
+        gemm(launch.grid(M, N), (32 * AWQ_WARPS,), partial, x, qweight, qzeros, scales, M, N, K, G,
              launch.tiles_per_warp)
+        reduce = build.get_function("awq_gemm.cu", "awq_reduce_res" if residual is not None else "awq_reduce_plain",
+                                    "PPPiii")
+        reduce((cdiv(M * N // 4, GEMV_THREADS),), (GEMV_THREADS,), y, partial, residual, M, N, launch.splits)
     return y
 
 
@@ -58,30 +58,6 @@ def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
             fn = build.get_function("awq_gemm.cu", "awq_dequant_kernel", "PPPPiii")
             fn((cdiv(K * (N // 32), GEMV_THREADS),), (GEMV_THREADS,), w_hat, qweight, qzeros, scales, N, K, G)
     return w_hat
-
-
-_COUNTERS: dict[int, torch.Tensor] = {}  # per device: int32 strip counters, zero between launches
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers: graphs captured with them still use them
-MIN_COUNTERS = 4096
-
-
-def _strip_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters; the kernel's last block per strip sets its counter back to zero.
-
-    One cached buffer per device (launches are ordered on fllama's one stream). Inside a graph capture
-    with no buffer large enough yet, a fresh zeroed one: its memset is part of the graph, and an eager
-    call never sees memory that a capture only pretended to zero.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(index)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)  # [n]
-    if buf is not None:
-        _RETIRED.append(buf)
-    buf = _COUNTERS[index] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)  # [n]
-    return buf
 
 
 def kernels_take(n: int, group_size: int) -> bool:

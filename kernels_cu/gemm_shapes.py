@@ -19,8 +19,7 @@ GEMV_THREADS = 256
 AWQ_STRIP = 256  # output columns per warp
 AWQ_WARPS = 4
 AWQ_TILE_K = 16
-AWQ_BLOCKS_PER_SM = {1: 3, 2: 2}  # resident blocks by MT (ptxas: 168 / 255 registers at 128 threads)
-AWQ_MIN_TILES_PER_WARP = 4  # fewer only where that many would leave SMs without a block
+AWQ_BLOCKS_PER_SM = 2  # target resident blocks (registers allow 3 at MT=1, 2 at MT=2)
 
 # --- decode attention (attention_decode.cu)
 ATTN_CHUNKS = (512, 256, 128, 64)  # chunk sizes tried, largest first (the kernel's CS_MAX is 512)
@@ -58,20 +57,15 @@ class AwqLaunch:
 
 
 def awq_launch(m: int, n: int, k: int, sms: int, splits: int | None = None) -> AwqLaunch:
-    """Split K into as many blocks per strip as fit on the GPU at once (one wave, equal shares).
+    """Split K so that about AWQ_BLOCKS_PER_SM blocks per SM stream the weight at once.
 
-    Every block of the kernel is resident from the start, so the whole weight is requested in the first
-    microseconds and no second wave of blocks leaves a tail (288 blocks on 264 slots cost 2 rounds).
     `splits` forces a split count (benchmarks sweep it); it is rounded to what the K tiles allow.
     """
     mt = token_tile(m)
     tiles = k // AWQ_TILE_K
     col_blocks = cdiv(n, AWQ_STRIP) * cdiv(m, 8 * mt)
     if splits is None:
-        splits = max(1, AWQ_BLOCKS_PER_SM[mt] * sms // col_blocks)
-        few = cdiv(tiles, AWQ_WARPS * AWQ_MIN_TILES_PER_WARP)  # splits at the minimum share per warp
-        if splits > few and col_blocks * few >= sms:
-            splits = few  # every SM still has a block: fewer partials, fewer group loads per tile
+        splits = max(1, round(AWQ_BLOCKS_PER_SM * sms / col_blocks))
     splits = max(1, min(splits, cdiv(tiles, AWQ_WARPS)))
     tiles_per_warp = cdiv(tiles, splits * AWQ_WARPS)
     return AwqLaunch(mt, cdiv(tiles, AWQ_WARPS * tiles_per_warp), tiles_per_warp)

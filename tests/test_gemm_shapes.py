@@ -9,8 +9,8 @@ import torch
 
 from kernels_cu.attention_decode import attention_decode_ref
 from kernels_cu.attention_prefill import attention_prefill, attention_prefill_ref
-from kernels_cu.gemm_shapes import (ATTN_CHUNKS, AWQ_BLOCKS_PER_SM, AWQ_TILE_K, AWQ_WARPS, attn_chunk, awq_launch, cdiv,
-                                    gemv_grid, token_tile)
+from kernels_cu.gemm_shapes import (ATTN_CHUNKS, AWQ_TILE_K, AWQ_WARPS, attn_chunk, awq_launch, cdiv, gemv_grid,
+                                    token_tile)
 from kernels_cu.int8_gemm import int8_gemm_ref
 
 
@@ -25,21 +25,6 @@ def test_awq_launch_covers_every_k_tile_once(m, n, k, sms):
     grid = launch.grid(m, n)
     assert grid[0] * 256 >= n and grid[2] * 8 * launch.mt >= m
     assert grid[0] * grid[1] * grid[2] >= min(sms, cdiv(n, 256) * cdiv(tiles, AWQ_WARPS))  # fills the GPU
-
-
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)])
-def test_awq_launch_is_one_wave_on_7b_shapes(m, n, k):
-    """All blocks resident at once (no tail wave) and at least one per SM."""
-    launch = awq_launch(m, n, k, 132)
-    blocks = math.prod(launch.grid(m, n))
-    assert 132 <= blocks <= AWQ_BLOCKS_PER_SM[launch.mt] * 132
-
-
-def test_awq_launch_known_7b_splits():
-    assert awq_launch(1, 12288, 4096, 132).splits == 8  # 48 strips x 8 = 384 of 396 slots, 8 tiles a warp
-    assert awq_launch(1, 4096, 4096, 132).tiles_per_warp == 4  # 16 splits, not 22 splits of 3 tiles
-    assert awq_launch(1, 576, 576, 132).tiles_per_warp == 1  # tiny: fill the GPU instead
 
 
 def test_awq_launch_honours_forced_splits():

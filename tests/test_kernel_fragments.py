@@ -163,85 +163,39 @@ def test_int8_to_fp16_pairs_exact():
 # ---------------------------------------------------------------- one warp of each kernel
 
 
-def awq_dequant_kpairs(kw: int, zz: list[int], s: list[int]) -> list[int]:
-    """gemm_common.cuh awq_dequant_kpairs: the same LOP3 extractions on a prmt-interleaved word."""
-    return awq_dequant_word(kw, zz, s)  # identical instruction sequence; only the operands' meaning differs
-
-
-def broadcast_lo(u: int) -> int:
-    return (u & 0xFFFF) * 0x10001
-
-
-def broadcast_hi(u: int) -> int:
-    return (u >> 16) * 0x10001
-
-
-@pytest.mark.parametrize("M", [1, 8])
-def test_awq_gemm_tile(M):
-    """awq_gemm.cu: one warp, one 16-row k tile, 256 columns, up to 8 tokens (the k-pair scheme).
-
-    Lane (g, t) holds rows 4t..4t+3 of words 4g..4g+3; prmt 0x5410 / 0x7632 of the words of rows (4t, 4t+1)
-    and (4t+2, 4t+3) interleaves them, LOP3 extraction j then gives k-pairs of column 2j / 2j + 1, dequantized
-    with that column's zero term and scale broadcast to both halves (load_group_cols).
-    """
-    K, N, G = 16, 256, 16
+def test_awq_gemm_tile():
+    """awq_gemm.cu: one warp, one 16-row k tile, 256 columns, 8 tokens."""
+    K, N, G, M = 16, 256, 16, 8
     qweight, qzeros, scales = random_awq(K, N, G)
-    x = RNG.standard_normal((8, K)).astype(np.float16)
-    x[M:] = 0.0  # rows past M: the kernel loads zeros there
+    x = RNG.standard_normal((M, K)).astype(np.float16)
     w_hat = dequantize_awq(qweight, qzeros, scales, G, torch.float16).T.double().numpy()  # [K, N]
-    ref = x.astype(np.float64) @ w_hat  # [8, N]
+    ref = x.astype(np.float64) @ w_hat  # [M, N]
     qbuf, zbuf = qweight.numpy().view(np.uint8).reshape(-1), qzeros.numpy().view(np.uint8).reshape(-1)
     sbuf, xbuf = scales.numpy().view(np.uint8).reshape(-1), x.view(np.uint8).reshape(-1)
     words = N // 8
-    out = np.full((8, N), np.nan)
+    out = np.full((M, N), np.nan)
     lanes = []
     for lane in range(32):
         g, t = lane >> 2, lane & 3
         c = 4 * g
         q = [words_of(qbuf, 4 * ((4 * t + r) * words + c), 4) for r in range(4)]
         zw = words_of(zbuf, 4 * c, 4)
-        sv = [words_of(sbuf, 2 * 8 * (c + w), 4) for w in range(4)]
+        s = [words_of(sbuf, 2 * 8 * (c + w), 4) for w in range(4)]
         xv = words_of(xbuf, 2 * (g * K + 4 * t), 2)
-        kp = []  # [w] -> (k01[o][j], k23[o][j])
-        for w in range(4):
-            zp = awq_zero_terms(zw[w])
-            zz = [[broadcast_lo(zp[j]) for j in range(4)], [broadcast_hi(zp[j]) for j in range(4)]]
-            ss = [[broadcast_lo(sv[w][j]) for j in range(4)], [broadcast_hi(sv[w][j]) for j in range(4)]]
-            r0, r1, r2, r3 = (q[r][w] for r in range(4))
-            k01 = [awq_dequant_kpairs(prmt(r0, r1, 0x5410), zz[0], ss[0]),
-                   awq_dequant_kpairs(prmt(r0, r1, 0x7632), zz[1], ss[1])]
-            k23 = [awq_dequant_kpairs(prmt(r2, r3, 0x5410), zz[0], ss[0]),
-                   awq_dequant_kpairs(prmt(r2, r3, 0x7632), zz[1], ss[1])]
-            kp.append((k01, k23))
-        lanes.append((kp, xv))
+        wh = [[awq_dequant_word(q[r][w], awq_zero_terms(zw[w]), s[w]) for r in range(4)] for w in range(4)]
+        lanes.append((wh, xv))
     for w in range(4):
-        for j in range(4):
-            a = [[kp[w][0][0][j], kp[w][0][1][j], kp[w][1][0][j], kp[w][1][1][j]] for kp, _ in lanes]
+        for p in range(4):
+            a = [[prmt(wh[w][0][p], wh[w][1][p], 0x5410), prmt(wh[w][0][p], wh[w][1][p], 0x7632),
+                  prmt(wh[w][2][p], wh[w][3][p], 0x5410), prmt(wh[w][2][p], wh[w][3][p], 0x7632)]
+                 for wh, _ in lanes]
             d = mma_f16(a, [xv for _, xv in lanes])
-            for lane in range(32):  # the partial store: n = 8(c + w) + 2j, tokens 2t / 2t + 1
+            for lane in range(32):
                 g, t = lane >> 2, lane & 3
-                n = 8 * (4 * g + w) + 2 * j
+                n = 8 * (4 * g + w) + 2 * p
                 out[2 * t, n: n + 2] = d[lane][0], d[lane][2]
                 out[2 * t + 1, n: n + 2] = d[lane][1], d[lane][3]
     np.testing.assert_allclose(out, ref, rtol=1e-9, atol=1e-9)
-
-
-def test_awq_kpair_words_are_bitwise():
-    """Every k-pair the kernel feeds the mma is the reference w_hat of (row k, row k + 1), bit for bit."""
-    K, N, G = 2, 64, 2
-    qweight, qzeros, scales = random_awq(K, N, G)
-    ref = dequantize_awq(qweight, qzeros, scales, G, torch.float16).T.contiguous().numpy()  # [2, N]
-    qw, qz, sc = qweight.numpy().view(np.uint32), qzeros.numpy().view(np.uint32), scales.numpy()
-    for c in range(N // 8):
-        zp = awq_zero_terms(int(qz[0, c]))
-        sp = [u32(sc[0, 8 * c + 2 * j: 8 * c + 2 * j + 2]) for j in range(4)]
-        for o, sel in ((0, 0x5410), (1, 0x7632)):
-            bc = broadcast_hi if o else broadcast_lo
-            pairs = awq_dequant_kpairs(prmt(int(qw[0, c]), int(qw[1, c]), sel), [bc(z) for z in zp],
-                                       [bc(s) for s in sp])
-            for j in range(4):
-                n = 8 * c + 2 * j + o
-                assert h2(pairs[j]).view(np.uint16).tolist() == ref[:, n].view(np.uint16).tolist(), (c, o, j)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp16"])
