@@ -172,6 +172,7 @@ __device__ void choose_digit(Shared& sh) {
     }
     int above = incl - local;  // keys in bins above this lane's 8 bins
     const int need = sh.remaining;
+    __syncwarp();  // every lane has read `remaining` before the chosen lane overwrites it (racecheck)
     if (above < need && need <= incl) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

@@ -10,8 +10,11 @@ for step in "$@"; do
   case $step in
     kernels) timeout 300 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$out/pytest_gpu.log" | tail -n 60 ;;
     sanitize)
-      FLLAMA_CUDA_SYNC=1 timeout 240 compute-sanitizer --tool memcheck --print-limit 5 python -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider -k "not large and not bench" 2>&1 | tail -n 8
-      timeout 200 compute-sanitizer --tool racecheck --print-limit 5 python -m pytest -m gpu tests/gpu/test_sampling.py tests/gpu/test_attention.py tests/gpu/test_rmsnorm.py tests/gpu/test_int8_gemm.py tests/gpu/test_awq_gemm.py -q -x -p no:cacheprovider -k "not large" 2>&1 | tail -n 8 ;;
+      for tool in memcheck racecheck synccheck; do
+        FLLAMA_CUDA_SYNC=1 timeout 200 compute-sanitizer --tool $tool --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4
+      done ;;
+    final) timeout 200 python -m pytest -m gpu tests/gpu/test_sampling.py tests/gpu/test_engine.py tests/gpu/test_awq_gemm.py tests/gpu/test_attention.py tests/gpu/test_build.py -q -p no:cacheprovider 2>&1 | tail -n 4
+      timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4 ;;
     micro) timeout 200 python -m kernels_cu.microbench --json "$out/micro.json" 2>&1 | tail -n 45 ;;
     microq) timeout 150 python -m kernels_cu.microbench --only awq,int8 --ms 1,8,16 2>&1 | tail -n 30 ;;
     attnbench) timeout 120 python -m kernels_cu.attention_bench --batch 1,8,32 --ctx 576,2048 2>&1 | tail -n 20 ;;

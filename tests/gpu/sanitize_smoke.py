@@ -1,0 +1,84 @@
+"""Every kernel once or twice on small random shapes, for compute-sanitizer (memcheck / racecheck), which is
+too slow for the full test matrix:  compute-sanitizer --tool memcheck python -m tests.gpu.sanitize_smoke"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels_cu import build
+
+
+def main() -> None:
+    from kernels_cu.attention_decode import attention_decode, attention_decode_quant
+    from kernels_cu.attention_prefill import attention_prefill
+    from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
+    from kernels_cu.embedding import embedding
+    from kernels_cu.fp16_gemv import fp16_linear
+    from kernels_cu.int8_gemm import int8_gemm
+    from kernels_cu.quantize import quantize
+    from kernels_cu.rmsnorm import add_rmsnorm, add_rmsnorm_quant, rmsnorm, rmsnorm_quant
+    from kernels_cu.rope_kv import rope_kv, rope_table
+    from kernels_cu.sampling import GpuSampler
+    from kernels_cu.silu_mul import silu_mul, silu_mul_quant
+    from calibrate.awq_pack import quantize_awq
+    from calibrate.int8 import quantize_weight_int8
+    from model_zoo.sampling import SamplingConfig
+
+    build.require_cuda()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=torch.float16)
+    with build.on_stream():
+        H, F, V, nh, nkv, d = 576, 1536, 1000, 9, 3, 64
+        for T in (1, 7, 33):
+            x, w = r(T, H), r(H)
+            rmsnorm(x, w, 1e-5)
+            rmsnorm_quant(x, w, 1e-5)
+            rmsnorm_quant(x, w, 1e-5, torch.tensor([3.0], device=dev))
+            add_rmsnorm(r(T, H), x, w, 1e-5)
+            add_rmsnorm_quant(r(T, H), x, w, 1e-5)
+            quantize(x)
+            silu_mul(r(T, 2 * F))
+            silu_mul_quant(r(T, 2 * F))
+            embedding(r(V, H), torch.randint(0, V, (T,), device=dev))
+            for M in (T, 17):
+                xm = r(M, H)
+                wd = r(F, H)
+                fp16_linear(xm, wd, residual=r(M, F))
+                qw, ws = quantize_weight_int8(wd.float())
+                qx, sx = quantize(xm)
+                int8_gemm(qx, sx, qw, ws, residual=r(M, F))
+                aq, az, asc = quantize_awq(wd.float(), 64)
+                awq_gemm(xm, aq, az, asc, residual=r(M, F))
+            awq_dequantize(aq, az, asc)
+        B, L = 3, 300
+        for kv8 in (False, True):
+            kc = torch.zeros(B, nkv, L, d, device=dev, dtype=torch.int8 if kv8 else torch.float16)
+            vc = torch.zeros_like(kc)
+            ks = torch.zeros(B, nkv, L, device=dev) if kv8 else None
+            vs = torch.zeros_like(ks) if kv8 else None
+            cs = rope_table(d, 10000.0, L, dev)
+            T = 20
+            qkv = r(B * T, (nh + 2 * nkv) * d)
+            pos = torch.arange(T, device=dev, dtype=torch.int32).repeat(B)
+            row = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(T)
+            q = rope_kv(qkv, cs, pos, row, kc, vc, nh, nkv, k_scale=ks, v_scale=vs)
+            lengths = torch.tensor([T, 5, 0], device=dev, dtype=torch.int32)
+            qd = q.view(B, T, nh, d)[:, -1].contiguous()
+            attention_decode(qd, kc, vc, lengths, ks, vs)
+            attention_decode(qd, kc, vc, lengths, ks, vs, fused=False)
+            attention_decode_quant(qd, kc, vc, lengths, None, ks, vs)
+            if not kv8:
+                attention_prefill(q.view(B, T, nh, d)[0], kc, vc, 0, 0)
+        sampler = GpuSampler(4, V, eos_ids=[2], device=dev)
+        for cfg in (SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, top_k=40, top_p=0.9,
+                                                                  repetition_penalty=1.2, seed=1)):
+            sampler.set_config(cfg)
+            for _ in range(3):
+                sampler.sample(r(4, V).float())
+    build.synchronize()
+    print("sanitize smoke: all kernels ran")
+
+
+if __name__ == "__main__":
+    main()
