@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fllama_cli.options import DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
+from fllama_cli.options import KvInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
 from fllama_cli.runtime import open_model
 from model_zoo.evaluation import EvalConfig, evaluate
 from model_zoo.text_sources import SOURCES_HELP, load_text, token_windows
@@ -24,6 +24,7 @@ def eval_cmd(
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="A second model: report KL divergence and top-1 agreement against it.")] = None,
     batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass.")] = 1,
     device: DeviceOpt = DeviceChoice.auto,
+    kv_int8: KvInt8Opt = False,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     quiet: QuietOpt = False,
@@ -31,7 +32,7 @@ def eval_cmd(
 ) -> None:
     """Perplexity over non-overlapping windows of --seq-len tokens, each scoring its tokens 2..L."""
     cfg = EvalConfig(seq_len=seq_len, max_tokens=max_tokens, batch=batch)
-    opened = open_model(model, device=device, random=random, seed=seed, max_batch=batch)
+    opened = open_model(model, device=device, random=random, seed=seed, max_batch=batch, kv_int8=kv_int8)
     ids = opened.tokenizer.encode(load_text(data))  # the tokenizer's default special tokens
     windows = token_windows(ids, seq_len, max_tokens)  # [n, L]
     base = open_model(baseline, device=device, random=random, seed=seed, max_batch=batch) if baseline else None

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from fllama_cli.options import DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import KvInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
 from fllama_cli.runtime import open_model, read_prompt_arg
 from model_zoo.errors import PromptError
 from model_zoo.generation import GenerationConfig, generate
@@ -27,6 +27,7 @@ def generate_cmd(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
     seed: SeedOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
+    kv_int8: KvInt8Opt = False,
     random: RandomOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -37,7 +38,7 @@ def generate_cmd(
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()),
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                                                    repetition_penalty=repetition_penalty, seed=seed))
-    opened = open_model(model, device=device, random=random, seed=seed, max_batch=len(prompts))
+    opened = open_model(model, device=device, random=random, seed=seed, max_batch=len(prompts), kv_int8=kv_int8)
     tok = opened.tokenizer
     ids = [tok.encode(p) for p in prompts]
     stream = not json_out and len(prompts) == 1

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fllama_cli.options import DeviceChoice
-from model_zoo.errors import DeviceError
+from model_zoo.errors import ConfigError, DeviceError
 
 
 @dataclass
@@ -77,15 +77,18 @@ def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu"):
 
 
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
-               seed: int | None = None, dtype: torch.dtype | None = None, max_batch: int = 1) -> Opened:
+               seed: int | None = None, dtype: torch.dtype | None = None, max_batch: int = 1,
+               kv_int8: bool = False) -> Opened:
     from model_zoo.load import load_model
 
     dev = pick_device(device)
+    if kv_int8 and dev != "cuda":
+        raise ConfigError("--kv-int8 is an option of the GPU engine (--device cuda)")
     loaded = load_model(source, random=random, seed=seed or 0, dtype=torch.float32)
     if dev == "cuda":
-        from kernels_cu.engine import Engine
+        from kernels_cu.engine import Engine, EngineConfig
 
-        backend = Engine.from_loaded(loaded, max_batch=max_batch)
+        backend = Engine.from_loaded(loaded, EngineConfig(max_batch=max_batch, kv_int8=kv_int8))
     else:
         from model_zoo.reference import ReferenceModel
 

@@ -33,7 +33,7 @@ from model_zoo.config import LlamaConfig
 from model_zoo.errors import DeviceError, PromptError
 from model_zoo.linear import DenseLinear
 from model_zoo.quantized_linear import ActQuant, AwqLinear, Int8Linear
-from model_zoo.sampling import SamplingConfig
+from model_zoo.sampling import SamplingConfig, fresh_seed
 from model_zoo.weights import ModelWeights
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
@@ -124,11 +124,13 @@ class GpuCache:
     """A KV cache for one batch bucket. `lengths` is the device tensor the decode graph reads; storage has
     one spare position per row so a row that is not decoding this step can write past its end harmlessly."""
 
-    k: list[torch.Tensor]  # per layer [Bb, n_kv, cap + 1, d] fp16
+    k: list[torch.Tensor]  # per layer [Bb, n_kv, cap + 1, d] fp16 (int8 with kv_int8)
     v: list[torch.Tensor]
     lengths: torch.Tensor  # [Bb] int32
     max_len: int  # positions a row may hold (<= cap)
     batch: int  # rows the caller asked for (<= Bb)
+    k_scale: list = field(default_factory=list)  # with kv_int8: per layer [Bb, n_kv, cap + 1] fp32 (x = q * scale)
+    v_scale: list = field(default_factory=list)
     graphs: dict = field(default_factory=dict)  # "logits" | "sampled" -> (CUDA graph, its output tensor)
     static: dict = field(default_factory=dict)  # buffers the graphs read: tokens, active, row
 
@@ -140,12 +142,16 @@ class GpuCache:
     def capacity(self) -> int:
         return self.k[0].shape[2] - 1
 
+    def scales(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.k_scale[i], self.v_scale[i]) if self.k_scale else (None, None)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 1
     max_len: int = 4096  # KV positions per row, capped at the model's context
     use_graphs: bool = True
+    kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
 
 
 class Engine:
@@ -177,17 +183,16 @@ class Engine:
 
     # -- construction -----------------------------------------------------------------------------------
     @classmethod
-    def from_loaded(cls, loaded: Any, max_batch: int = 1, max_len: int = 4096) -> "Engine":
+    def from_loaded(cls, loaded: Any, cfg: EngineConfig = EngineConfig()) -> "Engine":
         from fllama_cli.runtime import build_weights
 
-        weights = build_weights(loaded, torch.float16, "cpu")
-        return cls(weights, EngineConfig(max_batch=max_batch, max_len=max_len))
+        return cls(build_weights(loaded, torch.float16, "cpu"), cfg)
 
     @classmethod
-    def from_checkpoint(cls, path: str, max_batch: int = 1, max_len: int = 4096) -> "Engine":
+    def from_checkpoint(cls, path: str, cfg: EngineConfig = EngineConfig()) -> "Engine":
         from model_zoo.load import load_model
 
-        return cls.from_loaded(load_model(path, dtype=torch.float16), max_batch, max_len)
+        return cls.from_loaded(load_model(path, dtype=torch.float16), cfg)
 
     @property
     def device(self) -> torch.device:
@@ -204,7 +209,8 @@ class Engine:
 
     def kv_bytes(self, batch: int, max_len: int) -> int:
         c = self.config
-        return 2 * c.n_layers * batch * c.n_kv_heads * (max_len + 1) * c.head_dim * 2
+        per_position = c.head_dim + 4 if self.cfg.kv_int8 else c.head_dim * 2  # int8 codes + an fp32 scale
+        return 2 * c.n_layers * batch * c.n_kv_heads * (max_len + 1) * per_position
 
     def memory_report(self) -> dict:
         caches = {f"{b}{'-scratch' if s else ''}": self.kv_bytes(b, c.capacity) for (b, s), c in self._caches.items()}
@@ -241,11 +247,14 @@ class Engine:
         if need > free:
             raise DeviceError(f"the KV cache for batch {bucket} x {cap} positions needs {need / 2**30:.1f} GiB but "
                               f"{free / 2**30:.1f} GiB are free: lower the batch or the context")
+        dtype = torch.int8 if self.cfg.kv_int8 else torch.float16
         with build.on_stream():
-            k = [torch.zeros(shape, dtype=torch.float16, device=self._device) for _ in range(c.n_layers)]
-            v = [torch.zeros(shape, dtype=torch.float16, device=self._device) for _ in range(c.n_layers)]
+            k = [torch.zeros(shape, dtype=dtype, device=self._device) for _ in range(c.n_layers)]
+            v = [torch.zeros(shape, dtype=dtype, device=self._device) for _ in range(c.n_layers)]
+            scales = [[torch.zeros(shape[:3], dtype=torch.float32, device=self._device) for _ in range(c.n_layers)]
+                      for _ in range(2)] if self.cfg.kv_int8 else [[], []]
             lengths = torch.zeros(bucket, dtype=torch.int32, device=self._device)
-        return GpuCache(k=k, v=v, lengths=lengths, max_len=cap, batch=bucket)
+        return GpuCache(k=k, v=v, lengths=lengths, max_len=cap, batch=bucket, k_scale=scales[0], v_scale=scales[1])
 
     # -- the layer ---------------------------------------------------------------------------------------
     def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any):
@@ -257,7 +266,9 @@ class Engine:
         """h [T, H] fp16 -> [T, H]; attend(i, q [T, nh, d]) -> [T, nh * d]."""
         c, L = self.config, self.layers[i]
         qkv = L.qkv(self._norm_in(h, L.attn_norm, L.qkv))  # [T, (nh + 2 nkv) d]
-        q = rope_kv(qkv, self.cos_sin, pos, row, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads)  # [T, nh, d]
+        ks, vs = cache.scales(i)
+        q = rope_kv(qkv, self.cos_sin, pos, row, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads,
+                    k_scale=ks, v_scale=vs)  # [T, nh, d]
         o = attend(i, q)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
         if L.o.int8 and not isinstance(o, tuple):
             o = quantize(o, L.o.amax)
@@ -297,7 +308,7 @@ class Engine:
             c = self.config
 
             def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q [T, nh, d]
-                outs = [attention_prefill(q[b * S:(b + 1) * S], cache.k[i], cache.v[i], r, starts[b])
+                outs = [attention_prefill(q[b * S:(b + 1) * S], cache.k[i], cache.v[i], r, starts[b], *cache.scales(i))
                         for b, r in enumerate(rows)]  # each [S, nh, d]
                 return torch.cat(outs).reshape(B * S, c.q_size)
 
@@ -362,8 +373,8 @@ class Engine:
         def attend(i: int, q: torch.Tensor):
             o_op = self.layers[i].o
             if o_op.int8:  # one kernel: attention, combine and the o_proj input's int8 quantization
-                return attention_decode_quant(q, cache.k[i], cache.v[i], lens, o_op.amax)
-            return attention_decode(q, cache.k[i], cache.v[i], lens).reshape(-1, c.q_size)
+                return attention_decode_quant(q, cache.k[i], cache.v[i], lens, o_op.amax, *cache.scales(i))
+            return attention_decode(q, cache.k[i], cache.v[i], lens, *cache.scales(i)).reshape(-1, c.q_size)
 
         for i in range(c.n_layers):
             h = self._layer(i, h, pos, st["row"], cache, attend)
@@ -406,7 +417,7 @@ class Engine:
                 gpu = self._samplers[bucket] = GpuSampler(bucket, self.config.vocab_size, eos_ids=[-1],
                                                           device=self._device)
             gpu.set_config(cfg)
-            gpu.reset(cfg.seed if cfg.seed is not None else int(torch.seed() & 0x7FFFFFFF))
+            gpu.reset(cfg.seed if cfg.seed is not None else fresh_seed())
         return GpuRowSampler(gpu)
 
 

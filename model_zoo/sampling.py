@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,12 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def fresh_seed() -> int:
+    """A random 63-bit seed. (torch.seed() also reseeds every CUDA generator, and its 64-bit value overflows
+    there about half the time.)"""
+    return secrets.randbits(63)
+
+
 class TorchSampler:
     """Per-batch sampling state: the seen-token mask for the repetition penalty and the generator."""
 
@@ -62,7 +69,7 @@ class TorchSampler:
         self.cfg = cfg
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # [B, V]
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(cfg.seed if cfg.seed is not None else torch.seed())
+        self.generator.manual_seed(cfg.seed if cfg.seed is not None else fresh_seed())
 
     def observe(self, row: int, tokens: list[int]) -> None:
         """Mark prompt tokens as seen (the penalty covers the prompt, as in transformers)."""

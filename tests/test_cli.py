@@ -150,6 +150,7 @@ ERRORS = [
     (["bench", "--random", "--model", "llama2-7b"], "GPU"),
     (["generate", "llama2-7b", "-p", "x"], "--random"),
     (["generate", "{model}", "-p", "x", "--device", "cuda"], "cuda"),
+    (["generate", "{model}", "-p", "x", "--device", "cpu", "--kv-int8"], "GPU engine"),
 ]
 
 
