@@ -12,8 +12,10 @@ Backend of the same generation loop as the CPU reference (model_zoo.generation).
 
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +39,35 @@ from model_zoo.sampling import SamplingConfig, fresh_seed
 from model_zoo.weights import ModelWeights
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
+
+
+@contextmanager
+def _caller_ordered():
+    """Run on fllama's stream, ordered after the caller's stream and before whatever the caller does next.
+
+    fllama's stream is non-blocking: without these two event waits, the engine could read inputs the caller's
+    stream has not finished writing (token ids copied to the GPU), and the caller could read results (logits,
+    sampled ids, lengths) before the engine has written them."""
+    caller = torch.cuda.current_stream()
+    ours = build.torch_stream()
+    if caller.cuda_stream == ours.cuda_stream:
+        yield
+        return
+    ours.wait_stream(caller)
+    with build.on_stream():
+        yield
+    caller.wait_stream(ours)
+
+
+def _api(fn: Callable) -> Callable:
+    """For the engine's public methods: every call is ordered with the caller's stream (see above)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        # no_grad, not inference_mode: the caches and buffers must stay ordinary tensors that callers (the
+        # chat session's cache.lengths) may update in place outside any mode
+        with torch.no_grad(), _caller_ordered():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 # ---------------------------------------------------------------------------------------------- linears
@@ -219,6 +250,7 @@ class Engine:
                 "peak_bytes": torch.cuda.max_memory_allocated(self._device)}
 
     # -- cache ------------------------------------------------------------------------------------------
+    @_api
     def new_cache(self, batch: int, max_len: int, scratch: bool = False) -> GpuCache:
         """The bucket's cache, emptied (its decode graph is kept: same buffers, same pointers).
 
@@ -282,7 +314,7 @@ class Engine:
         return fp16_linear(x, self.lm_head)  # [T, V] fp16
 
     # -- forward -----------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @_api
     def forward(self, tokens: torch.Tensor, cache: GpuCache | None = None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] -> fp32 logits [B, S, V]; with a cache each row continues at its own length."""
@@ -350,6 +382,7 @@ class Engine:
         with build.on_stream():
             return out[idx].long() if sampler is not None else out[idx].float()
 
+    @_api
     def decode_sampled(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int],
                        sampler: "GpuRowSampler") -> torch.Tensor:
         """Decode and sample on the GPU in one graph replay: the next token of each row [len(rows)]."""
@@ -399,6 +432,7 @@ class Engine:
             out = self._step_body(cache, sampler)
         return graph, out
 
+    @_api
     def replay_steps(self, cache: GpuCache, steps: int, sampled: bool = True) -> None:
         """Replay the captured decode step `steps` times with no host work in between (benchmarks)."""
         graph, _ = cache.graphs["sampled" if sampled else "logits"]
@@ -407,6 +441,7 @@ class Engine:
                 graph.replay()
 
     # -- sampling ------------------------------------------------------------------------------------------
+    @_api
     def make_sampler(self, cfg: SamplingConfig, batch: int) -> "GpuRowSampler":
         """The bucket's sampler, reconfigured: its buffers persist so the sampled decode graph stays valid."""
         bucket = next(b for b in BUCKETS if b >= batch)
@@ -429,10 +464,12 @@ class GpuRowSampler:
         with build.on_stream():
             self.logits = torch.zeros(gpu.batch, gpu.vocab, dtype=torch.float32, device=gpu.out.device)  # [Bb, V]
 
+    @_api
     def observe(self, row: int, tokens: list[int]) -> None:
         with build.on_stream():
             self.gpu.observe(row, tokens)
 
+    @_api
     def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         with build.on_stream():
             idx = torch.tensor(rows, device=self.logits.device)

@@ -163,3 +163,17 @@ def test_int8_kv_cache_option(scheme):
                     [eng.forward(tokens[:, i:i + 1], cache) for i in range(32, 40)], 1)
     assert rel(got, want) < 5e-2
     assert eng.kv_bytes(1, 100) < Engine(w, EngineConfig(max_len=256)).kv_bytes(1, 100)
+
+
+def test_callers_on_the_default_stream_see_finished_results():
+    """The CLI calls the engine from torch's default stream (the fixture runs tests on fllama's own stream, which
+    hid a race once): results read there must be complete, and inputs made there must be complete when read."""
+    config = CONFIGS["smol-like"]
+    eng, ref = engine_and_ref(config, "int8-dynamic")
+    tok = Tokenizer.byte_fallback(config.vocab_size)
+    cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    prompts = [tok.encode("default stream"), tok.encode("a second, longer prompt on it")]
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        got = [r.tokens for r in generate(eng, tok, prompts, cfg)[0]]
+    want = [r.tokens for r in generate(ref, tok, prompts, cfg)[0]]
+    assert got == want
