@@ -83,7 +83,8 @@ def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | N
     if cfg.smooth is not None:
         for i, layer in enumerate(layers):
             layers[i] = apply_smoothing(layer, stats.points[f"layers.{i}.qkv"].max_abs,
-                                        stats.points[f"layers.{i}.gate_up"].max_abs, cfg.smooth)
+                                        stats.points[f"layers.{i}.gate_up"].max_abs, cfg.smooth,
+                                        stats.points[f"layers.{i}.down"].max_abs)
             if progress:
                 progress("smooth", i, n)
     smoothed = replace(weights, layers=layers)

@@ -40,14 +40,15 @@ def smooth_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: flo
 
 
 def apply_smoothing(layer: LayerWeights, qkv_act_max: torch.Tensor, gate_up_act_max: torch.Tensor,
-                    alpha: float) -> LayerWeights:
-    """A new LayerWeights computing the same function, with smoothed q/k/v and gate/up inputs.
+                    alpha: float, down_act_max: torch.Tensor | None = None) -> LayerWeights:
+    """A new LayerWeights computing the same function, with smoothed q/k/v and gate/up inputs, and with
+    `down_act_max` also the down_proj input.
 
-    The act maxima are those of the "qkv" and "gate_up" capture points of the unsmoothed layer.
-    o_proj and down_proj are left alone, as mit-han-lab's smoothing of LLaMA does: their inputs do not
-    come out of a norm, so 1/s would have to go into v_proj's or up_proj's output rows, which is exact
-    for down but only for MHA for o, and it moves range into weights that are themselves int8-quantized;
-    the outliers SmoothQuant targets sit in the residual stream that the norms read.
+    The act maxima are those of the "qkv", "gate_up" (and "down") capture points of the unsmoothed layer.
+    q/k/v and gate/up take 1/s into the preceding RMSNorm weight (mit-han-lab's smoothing of LLaMA). down_proj's
+    input silu(gate) * up is linear in up, so 1/s folds exactly into up_proj's output rows — this matters on
+    models whose down_proj inputs carry the largest outliers (SmolLM2: 20-100x the bulk). o_proj is left alone:
+    folding into v_proj's rows is exact only when every query head has its own KV head (MHA), not under GQA.
     """
     _check_alpha(alpha)
     attn = ("wq", "wk", "wv")
@@ -58,6 +59,11 @@ def apply_smoothing(layer: LayerWeights, qkv_act_max: torch.Tensor, gate_up_act_
     for attrs, s in ((attn, s_attn), (mlp, s_mlp)):
         for a in attrs:
             changed[a] = DenseLinear(_scale_columns(getattr(layer, a).dense_weight(), s))
+    if down_act_max is not None:
+        s_down = smooth_scales(down_act_max, [layer.w_down.dense_weight()], alpha)  # [F]
+        up = changed["w_up"].dense_weight()  # [F, H], already scaled by s_mlp along its columns
+        changed["w_up"] = DenseLinear(_divide(up.T, s_down).T.contiguous())  # rows / s_down
+        changed["w_down"] = DenseLinear(_scale_columns(layer.w_down.dense_weight(), s_down))
     return replace(layer, **changed)
 
 

@@ -107,3 +107,30 @@ def test_smoothing_flattens_outliers_and_cuts_int8_error():
             err0 = (_int8_per_token_linear(before[point], w0) - exact).norm()
             err1 = (_int8_per_token_linear(after[point], w1) - exact).norm()
             assert err1 < 0.7 * err0, (point, a, float(err0), float(err1))
+
+
+def test_down_proj_smoothing_through_up_rows_is_exact_and_helps():
+    import dataclasses
+    from calibrate.int8 import fake_quant_linear
+    from model_zoo.config import LlamaConfig
+    from model_zoo.reference import layer_forward
+    from model_zoo.weights import ModelWeights, random_state_dict
+
+    config = LlamaConfig(64, 1, 4, 2, 96, 50, max_positions=64)
+    w = ModelWeights.from_state_dict(config, random_state_dict(config, seed=9)).to(dtype=torch.float64)
+    layer = w.layers[0]
+    layer = dataclasses.replace(layer, w_up=type(layer.w_up)(layer.w_up.dense_weight().clone()))
+    layer.w_up.weight[5] *= 40.0  # an outlier channel of the down_proj input
+    x = torch.randn(2, 9, 64, dtype=torch.float64)
+    pos = torch.arange(9).expand(2, 9)
+    seen = {}
+    layer_forward(layer, config, x, pos, observer=lambda k, t: seen.setdefault(k, t))
+    maxes = {k: v.abs().amax(0) for k, v in seen.items()}
+    smoothed = apply_smoothing(layer, maxes["qkv"], maxes["gate_up"], 0.5, maxes["down"])
+    torch.testing.assert_close(layer_forward(smoothed, config, x, pos), layer_forward(layer, config, x, pos),
+                               rtol=1e-10, atol=1e-10)
+    seen2 = {}
+    layer_forward(smoothed, config, x, pos, observer=lambda k, t: seen2.setdefault(k, t))
+    a0, a1 = seen["down"].float(), seen2["down"].float()
+    err = lambda a, wd: float((fake_quant_linear(a, wd.float()) - a @ wd.float().T).norm() / (a @ wd.float().T).norm())
+    assert err(a1, smoothed.w_down.dense_weight()) < 0.5 * err(a0, layer.w_down.dense_weight())
