@@ -67,3 +67,9 @@ def generate_cmd(
     err = Console(stderr=True, highlight=False)
     err.print(f"[dim]{stats.generated_tokens} tokens · {stats.tokens_per_s:.1f} tok/s decode · "
               f"prefill {stats.prompt_tokens} tokens in {stats.prefill_s:.2f} s · {opened.describe()}[/]")
+    report = getattr(opened.backend, "memory_report", None)
+    if report is not None:  # the GPU engine: where its memory went
+        m = report()
+        kv = sum(m["kv_cache_bytes"].values())
+        err.print(f"[dim]GPU memory: weights {m['weights_bytes'] / 2**20:,.0f} MiB · KV cache {kv / 2**20:,.0f} MiB · "
+                  f"peak {m['peak_bytes'] / 2**20:,.0f} MiB[/]")

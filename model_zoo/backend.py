@@ -11,6 +11,9 @@ from model_zoo.sampling import SamplingConfig, TorchSampler
 
 
 class Backend(Protocol):
+    """Optional extras a backend may add (the GPU engine does): make_sampler(cfg, batch) for its own sampler, and
+    decode_sampled(tokens [b], cache, rows, sampler) -> next tokens [b], one step decoded and sampled together."""
+
     name: str
     config: LlamaConfig
 
