@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels_cu import build
-from kernels_cu.checks import check_tensor, out_or_new
+from kernels_cu.checks import check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count
 
 HEAD_DIMS = (64, 128)
@@ -169,10 +169,7 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
                   static_amax=None, q_out=None, a_scale=None, splits: int | None = None):
     B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     kv8 = k_cache.dtype == torch.int8
-    if static_amax is not None:
-        check_tensor(static_amax, "static_amax", torch.float32, align=4)
-        if static_amax.numel() != 1:
-            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    check_static_amax(static_amax)
     groups = cdiv(H // Hkv, SLOTS)
     if B * Hkv * groups > 65535:
         raise ValueError(f"batch {B} x {Hkv} kv heads x {groups} head groups exceeds the grid's 65535 units")

@@ -56,3 +56,13 @@ def out_or_new(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dt
         return torch.empty(shape, dtype=dtype, device=like.device)
     check_tensor(out, name, dtype, shape, align)
     return out
+
+
+def check_static_amax(static_amax: torch.Tensor | None) -> None:
+    """A static activation range: None (dynamic per token) or one fp32 value on the device (a pointer, so a
+    captured graph keeps reading it)."""
+    if static_amax is None:
+        return
+    check_tensor(static_amax, "static_amax", torch.float32, align=4)
+    if static_amax.numel() != 1:
+        raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels_cu import build
-from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 
 MIN_AMAX = 1e-8
 
@@ -44,10 +44,7 @@ def quantize(x: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.
     T, K = x.shape
     check_multiple(K, 8, "the quantized width")
     check_tensor(x, "x", torch.float16)
-    if static_amax is not None:
-        check_tensor(static_amax, "static_amax", torch.float32, align=4)
-        if static_amax.numel() != 1:
-            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    check_static_amax(static_amax)
     q = out_or_new(q, (T, K), torch.int8, x, "q", align=8)
     a_scale = out_or_new(a_scale, (T,), torch.float32, x, "a_scale", align=4)
     if T == 0:

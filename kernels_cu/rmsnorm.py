@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels_cu import build
-from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.quantize import quantize_ref
 
 SIGNATURE = "PPPPPPPif"  # out, q, a_scale, static_amax, residual, x, w, H, eps
@@ -47,10 +47,7 @@ def _launch(variant: str, T: int, H: int, eps: float, out=None, q=None, a_scale=
             residual=None, x=None, w=None) -> None:
     if T == 0:
         return
-    if static_amax is not None:
-        check_tensor(static_amax, "static_amax", torch.float32, align=4)
-        if static_amax.numel() != 1:
-            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    check_static_amax(static_amax)
     nv, threads = row_launch(H // 8)
     fn = build.get_function("rmsnorm.cu", f"rmsnorm_{variant}_nv{nv}", SIGNATURE)
     fn((T,), (threads,), out, q, a_scale, static_amax, residual, x, w, H, float(eps))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_cu import build
-from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.quantize import quantize_ref
 
 SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
@@ -38,10 +38,7 @@ def _check(gate_up: torch.Tensor) -> tuple[int, int]:
 def _launch(mode: str, T: int, F_: int, out=None, q=None, a_scale=None, static_amax=None, gate_up=None) -> None:
     if T == 0:
         return
-    if static_amax is not None:
-        check_tensor(static_amax, "static_amax", torch.float32, align=4)
-        if static_amax.numel() != 1:
-            raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+    check_static_amax(static_amax)
     nv, threads = row_launch(F_ // 8)
     fn = build.get_function("silu_mul.cu", f"silu_mul_{mode}_nv{nv}", SIGNATURE)
     fn((T,), (threads,), out, q, a_scale, static_amax, gate_up, F_)
