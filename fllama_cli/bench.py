@@ -85,7 +85,7 @@ def bench_cmd(
             if s != weights.meta.get("scheme", "fp16"):
                 raise ConfigError(f"{loaded.source} is a {weights.meta.get('scheme')} checkpoint; give --scheme "
                                   f"{weights.meta.get('scheme')} or use --random for other schemes")
-        engine = Engine(weights, EngineConfig(max_batch=max(cfg.batches), max_len=prompt_len + gen_len + 1))
+        engine = Engine(weights, EngineConfig(max_len=prompt_len + gen_len + 1))
         for b in cfg.batches:
             err.print(f"[dim]engine {s} batch {b} ...[/]")
             rows.append({"scheme": s, **bench_engine(engine, b, cfg, bw)})

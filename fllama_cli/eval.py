@@ -12,6 +12,7 @@ from rich.table import Table
 
 from fllama_cli.options import KvInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
 from fllama_cli.runtime import open_model
+from model_zoo.errors import ConfigError
 from model_zoo.evaluation import EvalConfig, evaluate
 from model_zoo.text_sources import SOURCES_HELP, load_text, token_windows
 
@@ -32,12 +33,11 @@ def eval_cmd(
 ) -> None:
     """Perplexity over non-overlapping windows of --seq-len tokens, each scoring its tokens 2..L."""
     cfg = EvalConfig(seq_len=seq_len, max_tokens=max_tokens, batch=batch)
-    opened = open_model(model, device=device, random=random, seed=seed, max_batch=batch, kv_int8=kv_int8)
+    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8)
     ids = opened.tokenizer.encode(load_text(data))  # the tokenizer's default special tokens
     windows = token_windows(ids, seq_len, max_tokens)  # [n, L]
-    base = open_model(baseline, device=device, random=random, seed=seed, max_batch=batch) if baseline else None
+    base = open_model(baseline, device=device, random=random, seed=seed) if baseline else None
     if base is not None and base.config.vocab_size != opened.config.vocab_size:
-        from model_zoo.errors import ConfigError
         raise ConfigError(f"the baseline's vocabulary ({base.config.vocab_size}) differs from the model's "
                           f"({opened.config.vocab_size})")
     err = Console(stderr=True, highlight=False)

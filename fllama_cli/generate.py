@@ -38,7 +38,7 @@ def generate_cmd(
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()),
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                                                    repetition_penalty=repetition_penalty, seed=seed))
-    opened = open_model(model, device=device, random=random, seed=seed, max_batch=len(prompts), kv_int8=kv_int8)
+    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8)
     tok = opened.tokenizer
     ids = [tok.encode(p) for p in prompts]
     stream = not json_out and len(prompts) == 1

@@ -77,7 +77,7 @@ def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu"):
 
 
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
-               seed: int | None = None, dtype: torch.dtype | None = None, max_batch: int = 1,
+               seed: int | None = None, dtype: torch.dtype | None = None,
                kv_int8: bool = False) -> Opened:
     from model_zoo.load import load_model
 
@@ -88,7 +88,7 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
     if dev == "cuda":
         from kernels_cu.engine import Engine, EngineConfig
 
-        backend = Engine.from_loaded(loaded, EngineConfig(max_batch=max_batch, kv_int8=kv_int8))
+        backend = Engine.from_loaded(loaded, EngineConfig(kv_int8=kv_int8))
     else:
         from model_zoo.reference import ReferenceModel
 

@@ -179,7 +179,6 @@ class GpuCache:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 1
     max_len: int = 4096  # KV positions per row, capped at the model's context
     use_graphs: bool = True
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes

@@ -53,7 +53,7 @@ def engine_and_ref(config, scheme):
     from kernels_cu.engine import Engine, EngineConfig
 
     w = checkpoint(config, scheme)
-    return Engine(w, EngineConfig(max_batch=8, max_len=256)), ReferenceModel(w.to("cpu", torch.float32))
+    return Engine(w, EngineConfig(max_len=256)), ReferenceModel(w.to("cpu", torch.float32))
 
 
 def rel(a, b):
