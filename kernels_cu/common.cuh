@@ -112,6 +112,11 @@ __device__ __forceinline__ float half8_absmax(const Half8& v) {
 }
 
 // How a row kernel ends: fp16 out, int8 with a per-row dynamic scale, or int8 with a static amax.
+// SiLU as torch computes F.silu on fp16: in fp32 (g / (1 + exp(-g))), rounded once to fp16.
+__device__ __forceinline__ __half silu_h(float g) {
+    return __float2half_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+}
+
 enum QuantMode { QUANT_NONE = 0, QUANT_DYNAMIC = 1, QUANT_STATIC = 2 };
 
 }  // namespace fllama

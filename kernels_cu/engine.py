@@ -23,6 +23,7 @@ from kernels_cu import build
 from kernels_cu.attention_decode import attention_decode, attention_decode_quant
 from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
+from kernels_cu.awq_gemv import awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.embedding import embedding
 from kernels_cu.fp16_gemv import fp16_linear
 from kernels_cu.int8_gemm import int8_gemm
@@ -87,18 +88,27 @@ class Fp16Op:
 
 
 class AwqOp:
-    """y = x @ dequant(W)^T (+ residual), W in AutoAWQ GEMM layout."""
+    """y = x @ dequant(W)^T (+ residual). Repacked once into awq_gemv's layout where its kernel takes the
+    shape (then a gate|up op with `swiglu` returns silu(gate) * up itself); else AutoAWQ's GEMM layout."""
 
     int8 = False
 
-    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor):
-        self.qweight, self.qzeros, self.scales = qweight, qzeros, scales  # [K, N/8], [K/G, N/8], [K/G, N]
+    def __init__(self, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, swiglu: bool = False):
+        K, N = qweight.shape[0], scales.shape[1]  # qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]
+        self.packed = (pack_for_gemv(qweight, qzeros, scales, swiglu=swiglu)
+                       if gemv_takes(K, N, K // scales.shape[0]) else None)
+        self.swiglu = swiglu and self.packed is not None
+        self.awq = None if self.packed is not None else (qweight, qzeros, scales)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return awq_gemm(x, self.qweight, self.qzeros, self.scales, residual)
+        if self.packed is not None:
+            return awq_linear(x, self.packed, residual)
+        return awq_gemm(x, *self.awq, residual)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales))
+        if self.packed is not None:
+            return self.packed.nbytes()
+        return sum(t.numel() * t.element_size() for t in self.awq)
 
 
 class Int8Op:
@@ -117,8 +127,9 @@ class Int8Op:
         return self.qweight.numel() + self.w_scale.numel() * 4
 
 
-def _fuse(linears: list, device: torch.device):
-    """One GPU op for linears that read the same input (q|k|v, gate|up), concatenated along N."""
+def _fuse(linears: list, device: torch.device, swiglu: bool = False):
+    """One GPU op for linears that read the same input (q|k|v, gate|up), concatenated along N; `swiglu`
+    lets an op that can (AWQ) apply silu(gate) * up itself."""
     first = linears[0]
     if isinstance(first, Int8Linear):
         qweight = torch.cat([l.qweight for l in linears]).to(device)  # [sum N, K]
@@ -132,7 +143,7 @@ def _fuse(linears: list, device: torch.device):
         qweight = torch.cat([l.qweight for l in linears], dim=1).to(device)  # [K, sum N / 8]
         qzeros = torch.cat([l.qzeros for l in linears], dim=1).to(device)  # [K/G, sum N / 8]
         scales = torch.cat([l.scales for l in linears], dim=1).to(device, torch.float16)  # [K/G, sum N]
-        return AwqOp(qweight.contiguous(), qzeros.contiguous(), scales.contiguous())
+        return AwqOp(qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), swiglu=swiglu)
     if isinstance(first, DenseLinear):
         w = torch.cat([l.dense_weight() for l in linears]).to(device, torch.float16)  # [sum N, K]
         return Fp16Op(w.contiguous())
@@ -203,7 +214,7 @@ class Engine:
             self.layers = [GpuLayer(attn_norm=l.attn_norm.to(dev, torch.float16).contiguous(),
                                     ffn_norm=l.ffn_norm.to(dev, torch.float16).contiguous(),
                                     qkv=_fuse([l.wq, l.wk, l.wv], dev), o=_fuse([l.wo], dev),
-                                    gate_up=_fuse([l.w_gate, l.w_up], dev), down=_fuse([l.w_down], dev))
+                                    gate_up=_fuse([l.w_gate, l.w_up], dev, swiglu=True), down=_fuse([l.w_down], dev))
                            for l in weights.layers]
             self.max_len = min(cfg.max_len, self.config.max_positions)
             self.cos_sin = rope_table(self.config.head_dim, self.config.rope_theta, self.config.max_positions + 1, dev)
@@ -304,8 +315,12 @@ class Engine:
         if L.o.int8 and not isinstance(o, tuple):
             o = quantize(o, L.o.amax)
         h = L.o(o, residual=h)  # [T, H]
-        gu = L.gate_up(self._norm_in(h, L.ffn_norm, L.gate_up))  # [T, 2F]
-        a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
+        xn = self._norm_in(h, L.ffn_norm, L.gate_up)
+        if getattr(L.gate_up, "swiglu", False):
+            a = L.gate_up(xn)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
+        else:
+            gu = L.gate_up(xn)  # [T, 2F]
+            a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
         return L.down(a, residual=h)  # [T, H]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

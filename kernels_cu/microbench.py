@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kernels_cu import build
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
+from kernels_cu.awq_gemv import AwqPacked, awq_gemv, pack_for_gemv
 from kernels_cu.fp16_gemv import fp16_gemv
 from kernels_cu.int8_gemm import int8_gemm
 
@@ -121,6 +122,21 @@ def bench_awq(m: int, k: int, n: int, bw: float, group: int = 128, splits: int |
     return Row(tag, f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "cuBLAS fp16")
 
 
+def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128) -> Row:
+    """The engine's AWQ path: awq_gemv on the repacked layout (awq_gemv.py)."""
+    qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
+    sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
+    first = pack_for_gemv(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"), qz, sc)
+    nbytes_w = first.nbytes()
+    nc = copies_for(nbytes_w)
+    packs = [first] + [AwqPacked(torch.randint_like(first.packed, -2**31, 2**31 - 1), first.terms, n, k, group,
+                                 first.gs) for _ in range(nc - 1)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    us = time_graph(lambda i: awq_gemv(x, packs[i]), nc)
+    nbytes = nbytes_w + 2 * (m * k + m * n)
+    return Row(f"awq-gemv g{group}", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+
+
 def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
     qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
     qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
@@ -147,7 +163,7 @@ def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ms", default="1,8,16", help="token counts for the GEMV rows")
+    ap.add_argument("--ms", default="1,8,16,32", help="token counts for the GEMV rows")
     ap.add_argument("--only", default="fp16,int8,awq,attn,dequant", help="which groups to run")
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
     ap.add_argument("--json", default="", help="write the rows to this file")
@@ -167,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(bench_int8(m, k, n, bw))
             if "awq" in only:
                 rows.append(bench_awq(m, k, n, bw))
+                rows.append(bench_awq_gemv(m, k, n, bw))
                 for s in filter(None, args.awq_splits.split(",")):
                     rows.append(bench_awq(m, k, n, bw, splits=int(s)))
     if "dequant" in only:

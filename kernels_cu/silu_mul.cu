@@ -8,10 +8,6 @@
 
 using namespace fllama;
 
-__device__ __forceinline__ __half silu_h(float g) {
-    return __float2half_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-}
-
 template <int NV, int QMODE>
 __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, int8_t* __restrict__ q,
                                              float* __restrict__ a_scale, const float* __restrict__ static_amax,

@@ -15,6 +15,10 @@ for step in "$@"; do
       done ;;
     final) timeout 200 python -m pytest -m gpu tests/gpu/test_sampling.py tests/gpu/test_engine.py tests/gpu/test_awq_gemm.py tests/gpu/test_attention.py tests/gpu/test_build.py -q -p no:cacheprovider 2>&1 | tail -n 4
       timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4 ;;
+    awqtests) timeout 300 python -m pytest -m gpu tests/gpu/test_awq_gemv.py tests/gpu/test_engine.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
+    microawq) timeout 200 python -m kernels_cu.microbench --only awq --ms 1,8,16,32 2>&1 | tail -n 40 ;;
+    benchawq) timeout 300 python -m fllama_cli.main bench --model llama2-7b --random --scheme awq \
+        --batch 1,8,32 --prompt-len 512 --gen-len 128 --repeat 3 --baseline none 2>&1 | tail -n 12 ;;
     micro) timeout 200 python -m kernels_cu.microbench --json "$out/micro.json" 2>&1 | tail -n 45 ;;
     microq) timeout 150 python -m kernels_cu.microbench --only awq,int8 --ms 1,8,16 2>&1 | tail -n 30 ;;
     attnbench) timeout 120 python -m kernels_cu.attention_bench --batch 1,8,32 --ctx 576,2048 2>&1 | tail -n 20 ;;

@@ -12,6 +12,7 @@ def main() -> None:
     from kernels_cu.attention_decode import attention_decode, attention_decode_quant
     from kernels_cu.attention_prefill import attention_prefill
     from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
+    from kernels_cu.awq_gemv import awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding
     from kernels_cu.fp16_gemv import fp16_linear
     from kernels_cu.int8_gemm import int8_gemm
@@ -50,7 +51,11 @@ def main() -> None:
                 int8_gemm(qx, sx, qw, ws, residual=r(M, F))
                 aq, az, asc = quantize_awq(wd.float(), 64)
                 awq_gemm(xm, aq, az, asc, residual=r(M, F))
+                ap = pack_for_gemv(aq, az, asc)
+                awq_linear(xm, ap, residual=r(M, F))
+                awq_linear(xm, pack_for_gemv(aq, az, asc, swiglu=True))
             awq_dequantize(aq, az, asc)
+            awq_packed_dequantize(ap)
         B, L = 3, 300
         for kv8 in (False, True):
             kc = torch.zeros(B, nkv, L, d, device=dev, dtype=torch.int8 if kv8 else torch.float16)

@@ -1,0 +1,264 @@
+// AWQ W4A16 decode GEMV on the engine's own int4 layout (awq_gemv.py repacks AutoAWQ's GEMM tensors once,
+// at load): y[m, n] = sum over groups of s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[m, k].
+//
+// Why another layout: in AutoAWQ's [K, N/8] words a lane's 16-byte load holds 4 rows x 8 columns, which
+// must be transposed (prmt) and scaled per pair before an mma can use it; the kernel that reads it
+// directly (awq_gemm.cu) is instruction-bound at ~40-50% of the bandwidth. Here every lane's 16 bytes
+// are already 32 k-values of ONE output channel, nibbles placed so that the four LOP3 extractions of a
+// word give A-fragment pairs of an m16n8k16 mma as they come:
+//   block = 4 warps on a panel of 16 output channels (rows g and g + 8 of the mma, as fp16_gemv.cu),
+//   the warps taking turns over the panel's 128-k tiles and meeting in shared memory at the end;
+//   a 128-k tile of the panel is 1 KB: [h = row g | row g + 8][lane][4 words];
+//   lane (g, t)'s 32 values of a tile are, for each group q of the tile (GS = 128 / GPT k's), the GS / 4
+//   consecutive k's k0 + q * GS + t * GS / 4 ...: its activations are 64 contiguous bytes per group-run,
+//   i.e. four 16-byte loads, and every mma (16 k's) lies inside one group.
+//   word w feeds mma 2w and 2w + 1: nibbles (0, 4) -> a0 of mma 2w, (1, 5) -> a2, and after >> 8 the
+//   same for mma 2w + 1 (the positions 0..7 of the word's 8 values sit in nibbles [0, 4, 1, 5, 2, 6, 3, 7]).
+// q - z is made exact in fp16 by the magic-number subtraction (no scale there); each group's mma sum is
+// then scaled by s in fp32. That is one fp16 op per weight pair fewer than w_hat = (q - z) * s, and it
+// skips w_hat's fp16 rounding (so the result is nearer the exact product than the reference's w_hat).
+// Per (channel, group of GS k's) one uint32 of terms: fp16 s (low half), fp16 1024 + z (high half).
+//
+// EPI 0: y fp16 [M, N];  1: + residual (fp16 add after rounding);  2: SwiGLU of a gate|up panel
+// interleaved by 8 (rows 0-7 gate channels 8b.., rows 8-15 the same up channels): y [M, N / 2] =
+// fp16(silu(fp16 gate)) * fp16 up, silu_mul.cu's rounding.
+// Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles)
+//   grid (N / 16, ceil(M / (8 * MT))), block 128.
+// awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
+#include "common.cuh"
+#include "gemm_common.cuh"
+
+using namespace fllama;
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int TILE_K = 128;
+constexpr int TILE_WORDS = 256;  // 1 KB: 2 rows x 32 lanes x 4 words
+
+// Lane's two group terms (rows g and g + 8) -> the zero pairs that make q - z exact and the fp32 scales.
+struct Terms {
+    __half2 zlo[2];  // 1024 + z: subtracted from (1024 + q)
+    __half2 zhi[2];  // 960 - (1024 + z) = -(64 + z): added to (1024 + 16 q) / 16 = 64 + q
+    float s[2];
+};
+
+__device__ __forceinline__ Terms make_terms(uint2 raw) {
+    Terms tm;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t v = h ? raw.y : raw.x;
+        tm.zlo[h] = bits_h2(prmt(v, v, 0x3232));  // both halves = the high half (1024 + z)
+        tm.zhi[h] = __hsub2(bits_h2(FP16_960), tm.zlo[h]);
+        tm.s[h] = __half2float(__ushort_as_half((unsigned short)(v & 0xffff)));
+    }
+    return tm;
+}
+
+template <int MT, int GPT, int EPI, int U>
+__device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* __restrict__ x,
+                                         const uint32_t* __restrict__ packed, const uint32_t* __restrict__ terms,
+                                         const __half* __restrict__ residual, int M, int N, int K, int tiles) {
+    constexpr int MPG = 8 / GPT;  // mma per group
+    constexpr int UPG = 4 / GPT;  // 16-byte activation loads per group-run
+    constexpr int GS = TILE_K / GPT;
+    static_assert(GPT == 1 || GPT == 2 || GPT == 4, "groups of 128, 64 or 32 k per tile run");
+    __shared__ float red[WARPS][MT][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int panel = blockIdx.x;
+    const int m0 = blockIdx.y * 8 * MT;
+
+    bool x_ok[MT];
+    const __half* x_row[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = m0 + mt * 8 + g;
+        x_ok[mt] = m < M;
+        x_row[mt] = x + (size_t)(x_ok[mt] ? m : 0) * K + t * (GS / 4);
+    }
+    const uint32_t* wp = packed + (size_t)panel * tiles * TILE_WORDS + lane * 4;
+    const uint32_t* tp = terms + ((size_t)panel * tiles * GPT * 8 + g) * 2;
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mt][r] = 0.0f;
+
+    // One step = U tiles of this warp (tile = base + u * WARPS + warp). The weights and group terms of the
+    // next step are issued before this step's math (software pipeline, as in fp16_gemv.cu), so a warp
+    // keeps U KB of weights in flight; activations (L1/L2 hits after the first warp) are loaded at the
+    // start of their step, which keeps the registers for three resident blocks per SM.
+    struct Step {
+        uint4 w[U][2];
+        uint2 tm[U][GPT];
+    };
+    auto load = [&](int base, Step& s) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int tile = base + u * WARPS + warp;
+            const bool ok = tile < tiles;
+            const uint32_t* w = wp + (size_t)(ok ? tile : 0) * TILE_WORDS;
+            s.w[u][0] = ld_stream(w, ok);
+            s.w[u][1] = ld_stream(w + 128, ok);
+#pragma unroll
+            for (int q = 0; q < GPT; ++q) s.tm[u][q] = ld_cached8(tp + (size_t)((ok ? tile : 0) * GPT + q) * 16, ok);
+        }
+    };
+
+    Step cur, nxt;
+    load(0, cur);
+    for (int base = 0; base < tiles; base += U * WARPS) {
+        load(base + U * WARPS, nxt);
+        uint4 xv[U][MT][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int tile = base + u * WARPS + warp;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int k = tile * TILE_K + (i / UPG) * GS + (i % UPG) * 8;  // + t * GS / 4 in x_row
+                    // K % 8 == 0 and the run is 8-aligned: a 16-byte load is all in or all out
+                    xv[u][mt][i] = ld_cached(x_row[mt] + k, tile < tiles && x_ok[mt] && k + t * (GS / 4) < K);
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int q = 0; q < GPT; ++q) {
+                const Terms tm = make_terms(cur.tm[u][q]);
+                float tmp[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) tmp[mt][r] = 0.0f;
+#pragma unroll
+                for (int jj = 0; jj < MPG; ++jj) {
+                    const int j = q * MPG + jj;  // mma index in the tile: word j / 2, half (j % 2) of it
+                    uint32_t a[4];               // a0 row g (e0, e1), a1 row g+8, a2 row g (e2, e3), a3 row g+8
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t wd = word(cur.w[u][h], j >> 1) >> ((j & 1) * 8);
+                        a[h] = h2_bits(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), tm.zlo[h]));
+                        a[2 + h] = h2_bits(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
+                                                   bits_h2(FP16_ONE_SIXTEENTH), tm.zhi[h]));
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const uint4& xq = xv[u][mt][j >> 1];
+                        mma_f16_16816(tmp[mt], a[0], a[1], a[2], a[3], word(xq, 2 * (j & 1)), word(xq, 2 * (j & 1) + 1));
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    acc[mt][0] = fmaf(tm.s[0], tmp[mt][0], acc[mt][0]);
+                    acc[mt][1] = fmaf(tm.s[0], tmp[mt][1], acc[mt][1]);
+                    acc[mt][2] = fmaf(tm.s[1], tmp[mt][2], acc[mt][2]);
+                    acc[mt][3] = fmaf(tm.s[1], tmp[mt][3], acc[mt][3]);
+                }
+            }
+        }
+        cur = nxt;
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
+    __syncthreads();
+
+    // Thread (r, l) sums accumulator r of lane l over the warps in a fixed order (deterministic).
+    const int r = warp, l = lane;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+        auto total = [&](int rr) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
+            return sum;
+        };
+        if (m >= M) continue;
+        if (EPI == 2) {  // rows g (r 0, 1) are gate channels, rows g + 8 (r 2, 3) the matching up channels
+            if (r < 2) {
+                const int f = panel * 8 + (l >> 2);
+                const __half gate = __float2half_rn(total(r)), up = __float2half_rn(total(r + 2));
+                y[(size_t)m * (N / 2) + f] = __hmul_rn(silu_h(__half2float(gate)), up);
+            }
+        } else {
+            const int n = panel * 16 + (l >> 2) + (r >= 2 ? 8 : 0);
+            const size_t o = (size_t)m * N + n;
+            const __half h = __float2half_rn(total(r));
+            y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;
+        }
+    }
+}
+
+// w_hat [N, K] = fp16((q - z) * s): one thread per (panel, tile, row h, lane) 16-byte chunk = 32 values
+// of one channel; bit-identical to calibrate.awq_pack.dequantize_awq.
+template <int GPT>
+__device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, const uint32_t* __restrict__ packed,
+                                                   const uint32_t* __restrict__ terms, int N, int K, int tiles) {
+    constexpr int GS = TILE_K / GPT;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;  // chunk index
+    const size_t chunks = (size_t)(N / 16) * tiles * 64;
+    if (i >= chunks) return;
+    const int lane = (int)(i & 31), h = (int)((i >> 5) & 1);
+    const size_t pt = i >> 6;  // panel * tiles + tile
+    const int tile = (int)(pt % tiles), panel = (int)(pt / tiles);
+    const int g = lane >> 2, t = lane & 3;
+    const int n = panel * 16 + 8 * h + g;
+    const uint4 w = *reinterpret_cast<const uint4*>(packed + i * 4);
+#pragma unroll
+    for (int q = 0; q < GPT; ++q) {
+        const uint32_t v = terms[(((size_t)panel * tiles + tile) * GPT + q) * 16 + 2 * g + h];
+        const __half2 zlo = bits_h2(prmt(v, v, 0x3232));
+        const __half2 zhi = __hsub2(bits_h2(FP16_960), zlo);
+        const __half2 s = bits_h2(prmt(v, v, 0x1010));
+#pragma unroll
+        for (int jj = 0; jj < 8 / GPT; ++jj) {
+            const int j = q * (8 / GPT) + jj;
+            const uint32_t wd = word(w, j >> 1) >> ((j & 1) * 8);
+            const __half2 e01 = __hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), zlo), s);
+            const __half2 e23 = __hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
+                                                   bits_h2(FP16_ONE_SIXTEENTH), zhi), s);
+            const int k = tile * TILE_K + q * GS + t * (GS / 4) + 4 * jj;
+            if (k < K) {  // K % 4 == 0: the 4 values are all in or all out (the padding is dropped)
+                *reinterpret_cast<uint2*>(w_hat + (size_t)n * K + k) = make_uint2(h2_bits(e01), h2_bits(e23));
+            }
+        }
+    }
+}
+
+}  // namespace
+
+// (y fp16, x fp16 [M,K], packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles * GPT, 8, 2],
+//  residual fp16 [M,N] or null, int M, int N, int K, int tiles)
+#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, NAME)                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 3)                                                   \
+        awq_gemv_mt##MT##_g##GPT##_##NAME(__half* y, const __half* x, const uint32_t* packed,            \
+                                          const uint32_t* terms, const __half* residual, int M, int N,    \
+                                          int K, int tiles) {                                              \
+        awq_gemv<MT, GPT, EPI, U>(y, x, packed, terms, residual, M, N, K, tiles);                          \
+    }
+#define FLLAMA_AWQ_GEMV_EPIS(MT, GPT, U) \
+    FLLAMA_AWQ_GEMV(MT, GPT, 0, U, plain) FLLAMA_AWQ_GEMV(MT, GPT, 1, U, res) FLLAMA_AWQ_GEMV(MT, GPT, 2, U, silu)
+#define FLLAMA_AWQ_GEMV_GROUPS(MT, U) \
+    FLLAMA_AWQ_GEMV_EPIS(MT, 1, U) FLLAMA_AWQ_GEMV_EPIS(MT, 2, U) FLLAMA_AWQ_GEMV_EPIS(MT, 4, U)
+
+// Registers bound the tiles in flight: U = 4 / 2 / 1 for 8 / 16 / 32 tokens per block.
+FLLAMA_AWQ_GEMV_GROUPS(1, 4)
+FLLAMA_AWQ_GEMV_GROUPS(2, 2)
+FLLAMA_AWQ_GEMV_GROUPS(4, 1)
+
+// (w_hat fp16 [N,K], packed, terms, int N, int K, int tiles); one thread per 16-byte chunk
+#define FLLAMA_AWQ_PACKED_DEQUANT(GPT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256) awq_packed_dequant_g##GPT(                           \
+        __half* w_hat, const uint32_t* packed, const uint32_t* terms, int N, int K, int tiles) {           \
+        awq_packed_dequant<GPT>(w_hat, packed, terms, N, K, tiles);                                         \
+    }
+FLLAMA_AWQ_PACKED_DEQUANT(1)
+FLLAMA_AWQ_PACKED_DEQUANT(2)
+FLLAMA_AWQ_PACKED_DEQUANT(4)

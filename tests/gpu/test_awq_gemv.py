@@ -1,0 +1,132 @@
+"""awq_gemv / awq_packed_dequantize (the engine's repacked AWQ layout) against float64 references.
+
+The dequantizer must match calibrate.awq_pack.dequantize_awq bit for bit; the GEMV (which scales each group's
+exact (q - z) . x sum in fp32 instead of rounding w_hat to fp16 first) is compared with the float64 product
+of w_hat rounded to fp16, at the same tolerance as the AutoAWQ-layout kernel.
+"""
+
+import pytest
+import torch
+
+from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, poison, randn
+
+if not GPU_STACK:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
+from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
+from kernels_cu.awq_gemv import (GEMV_MAX_M, awq_gemv, awq_linear, awq_linear_ref, awq_packed_dequantize,  # noqa: E402
+                                 pack_for_gemv)
+
+pytestmark = pytest.mark.gpu
+
+# (K, N, G): SmolLM2 (hidden 576: K padded to 640, groups of 64 / 192 / 32), LLaMA-2-7B with 128, odd tiles
+SHAPES = [(576, 1536, 64), (1536, 576, 32), (576, 576, 192), (4096, 4096, 128), (4096, 12288, 128),
+          (11008, 4096, 128), (4096, 1024, 32), (11008, 1024, 64)]
+
+
+def awq_tensors(K: int, N: int, G: int, seed: int):
+    """Random packed words (every nibble value, incl. zero points 0 and 15) and positive fp16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.randint(-2**31, 2**31, (K // G, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 1e-3).to(torch.float16)
+    return qweight.cuda(), qzeros.cuda(), scales.cuda()
+
+
+def check_gemm(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert bool(torch.isfinite(y).all()), what
+    rms = float(ref.float().pow(2).mean().sqrt())
+    compare(y, ref, rtol=2e-3, atol=2e-3 * rms, what=what)
+    rel = float((y.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 1e-3, f"{what}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("K,N,G", SHAPES)
+def test_dequantize_is_bitwise(K, N, G, swiglu):
+    qweight, qzeros, scales = awq_tensors(K, N, G, seed=K + N + G)
+    p = pack_for_gemv(qweight, qzeros, scales, swiglu=swiglu)
+    w_hat = torch.empty(N, K, dtype=torch.float16, device="cuda")
+    poison(w_hat)
+    awq_packed_dequantize(p, out=w_hat)
+    ref = dequantize_awq(qweight, qzeros, scales, G)  # [N, K]
+    if swiglu:
+        ref = ref[torch.arange(N).reshape(2, N // 16, 8).transpose(0, 1).reshape(-1).cuda()]
+    assert_equal(w_hat, ref.contiguous(), f"K={K} N={N} G={G} swiglu={swiglu}")
+
+
+@pytest.mark.parametrize("K,N,G", SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 32, 33, 64, 65, 300])
+def test_linear_matches_reference(M, K, N, G):
+    qweight, qzeros, scales = awq_tensors(K, N, G, seed=M + K + N + G)
+    p = pack_for_gemv(qweight, qzeros, scales)
+    x = randn(M, K, seed=M)
+    y = torch.empty(M, N, dtype=torch.float16, device="cuda")
+    poison(y)
+    awq_linear(x, p, out=y)
+    check_gemm(y, awq_linear_ref(x, p), f"M={M} K={K} N={N} G={G}")
+
+
+@pytest.mark.parametrize("M", [1, 5, 12, 30, 64, 100])
+def test_fused_residual(M):
+    qweight, qzeros, scales = awq_tensors(4096, 4096, 128, seed=M)
+    p = pack_for_gemv(qweight, qzeros, scales)
+    x, res = randn(M, 4096, seed=M), randn(M, 4096, seed=M + 1)
+    check_gemm(awq_linear(x, p, residual=res), awq_linear_ref(x, p, residual=res), f"residual M={M}")
+
+
+@pytest.mark.parametrize("K,F,G", [(4096, 11008, 128), (576, 1536, 64), (576, 1536, 192)])
+@pytest.mark.parametrize("M", [1, 8, 13, 32, 70])
+def test_swiglu_epilogue(M, K, F, G):
+    """gate|up with silu(gate) * up in the epilogue: equal to silu_mul of the plain product's halves."""
+    qweight, qzeros, scales = awq_tensors(K, 2 * F, G, seed=M + F)
+    p = pack_for_gemv(qweight, qzeros, scales, swiglu=True)
+    x = randn(M, K, seed=M, scale=2.0)
+    y = torch.empty(M, F, dtype=torch.float16, device="cuda")
+    poison(y)
+    awq_linear(x, p, out=y)
+    ref = awq_linear_ref(x, p)
+    assert ref.shape == (M, F)
+    assert bool(torch.isfinite(y).all())
+    # silu(g) * u multiplies two computed sums: each carries the GEMV's error (2e-3 of its rms), so the
+    # bound is that error propagated through the product, plus fp16 rounding of the result
+    gu = awq_linear_ref(x, pack_for_gemv(qweight, qzeros, scales)).double()  # [M, 2F]
+    gate, up = gu[:, :F], gu[:, F:]
+    eg, eu = 2e-3 * float(gate.pow(2).mean().sqrt()), 2e-3 * float(up.pow(2).mean().sqrt())
+    bound = eg * 1.1 * up.abs() + torch.nn.functional.silu(gate).abs() * eu + 2e-3 * ref.double().abs() + eg * eu
+    err = (y.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), f"swiglu M={M}: worst excess {float((err - bound).max()):.3g}"
+    # and the same channels as the un-interleaved op followed by torch's SiLU (same sums, same rounding)
+    plain = awq_linear(x, pack_for_gemv(qweight, qzeros, scales))  # [M, 2F]
+    want = torch.nn.functional.silu(plain[:, :F]) * plain[:, F:]
+    compare(y, want, rtol=2e-3, what="swiglu vs plain + silu")
+
+
+def test_agrees_with_the_autoawq_layout_kernel():
+    qweight, qzeros, scales = awq_tensors(4096, 12288, 128, seed=3)
+    p = pack_for_gemv(qweight, qzeros, scales)
+    for M in (1, 8, 16, GEMV_MAX_M):
+        x = randn(M, 4096, seed=M + 40)
+        check_gemm(awq_gemv(x, p), awq_gemm(x, qweight, qzeros, scales), f"new vs old layout M={M}")
+
+
+def test_real_quantizer_output():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(1536, 576, generator=g) * 0.05  # [N, K]
+    qweight, qzeros, scales = (t.cuda() for t in quantize_awq(w, 64))
+    p = pack_for_gemv(qweight, qzeros, scales)
+    x = randn(3, 576, seed=6)
+    y = awq_linear(x, p)
+    check_gemm(y, awq_linear_ref(x, p), "quantize_awq output")
+    dense = (x.double() @ w.double().t().cuda()).float()
+    assert float((y.float() - dense).norm() / dense.norm()) < 0.15
+
+
+def test_graph_replay_and_determinism():
+    qweight, qzeros, scales = awq_tensors(4096, 4096, 128, seed=8)
+    p = pack_for_gemv(qweight, qzeros, scales)
+    x = randn(4, 4096, seed=9)
+    first = awq_gemv(x, p)
+    for _ in range(3):
+        assert_equal(awq_gemv(x, p), first, "run to run")

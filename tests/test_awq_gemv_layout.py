@@ -1,0 +1,81 @@
+"""The AWQ GEMV layout (kernels_cu/awq_gemv.py), checked on the CPU: packing round-trips, and a lane-by-lane
+emulation of awq_gemv.cu's reads (its word, shift, nibble and activation-index arithmetic, written out
+here independently of the packer) reproduces x @ w_hat."""
+
+import pytest
+import torch
+
+from calibrate.awq_pack import dequantize_awq, quantize_awq
+from kernels_cu.awq_gemv import gemv_takes, pack_for_gemv, unpack_from_gemv
+
+
+def awq_tensors(K: int, N: int, G: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    return quantize_awq(w, G)  # qweight [K, N/8], qzeros [K/G, N/8], scales [K/G, N]
+
+
+@pytest.mark.parametrize("K,N,G", [(256, 32, 128), (576, 64, 64), (576, 48, 192), (640, 32, 32), (384, 16, 384)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pack_round_trips(K, N, G, swiglu):
+    qweight, qzeros, scales = awq_tensors(K, N, G, seed=K + N + G)
+    p = pack_for_gemv(qweight, qzeros, scales, swiglu=swiglu)
+    codes, zeros, sc = unpack_from_gemv(p)
+    w_ref = dequantize_awq(qweight, qzeros, scales, G)  # [N, K]
+    if swiglu:
+        order = torch.arange(N).reshape(2, N // 16, 8).transpose(0, 1).reshape(-1)
+        w_ref = w_ref[order]
+    w = ((codes.short() - zeros.short().repeat_interleave(G, 1)).half() * sc.repeat_interleave(G, 1))
+    assert torch.equal(w, w_ref)
+    assert p.packed.shape == (N // 16, -(-K // 128), 256)
+
+
+def emulate_gemv(x: torch.Tensor, p) -> torch.Tensor:
+    """y [M, N] as awq_gemv.cu computes it (fp32 per group run, scaled by s), lane by lane."""
+    M = x.shape[0]
+    gs, gpt, T = p.gs, p.gpt, p.tiles
+    mpg, run = 8 // gpt, gs // 4
+    words = p.packed.to(torch.int64) & 0xFFFFFFFF  # [N/16, T, 256]
+    terms = p.terms.to(torch.int64) & 0xFFFFFFFF  # [N/16, T*gpt, 8, 2]
+    y = torch.zeros(M, p.n, dtype=torch.float64)
+    xd = torch.nn.functional.pad(x.double(), (0, T * 128 - p.k))
+    for panel in range(p.n // 16):
+        for tile in range(T):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for h in range(2):
+                    ws = words[panel, tile, h * 128 + lane * 4:h * 128 + lane * 4 + 4]
+                    for q in range(gpt):
+                        term = int(terms[panel, tile * gpt + q, g, h])
+                        s = torch.tensor([term & 0xFFFF], dtype=torch.int16).view(torch.float16).double()
+                        zm = torch.tensor([term >> 16], dtype=torch.int16).view(torch.float16).double()
+                        z = float(zm) - 1024
+                        part = torch.zeros(M, dtype=torch.float64)
+                        for jj in range(mpg):
+                            j = q * mpg + jj
+                            wd = int(ws[j >> 1]) >> (8 * (j & 1))
+                            vals = [wd & 15, (wd >> 16) & 15, (wd >> 4) & 15, (wd >> 20) & 15]  # e0..e3
+                            i = j >> 1  # 16-byte activation load i holds positions 8i..8i+7
+                            k0 = tile * 128 + (i // (4 // gpt)) * gs + t * run + (i % (4 // gpt)) * 8 + 4 * (j & 1)
+                            for e in range(4):
+                                part += (vals[e] - z) * xd[:, k0 + e]
+                        y[:, panel * 16 + h * 8 + g] += float(s) * part
+    return y
+
+
+@pytest.mark.parametrize("K,N,G", [(256, 32, 128), (192, 16, 64), (128, 16, 32)])
+def test_emulated_kernel_matches_dequantized_product(K, N, G):
+    qweight, qzeros, scales = awq_tensors(K, N, G, seed=7)
+    p = pack_for_gemv(qweight, qzeros, scales)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1)).half()
+    w = dequantize_awq(qweight, qzeros, scales, G, torch.float64)  # [N, K]
+    ref = x.double() @ w.t()
+    got = emulate_gemv(x, p)
+    assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_shapes_the_kernel_takes():
+    assert gemv_takes(4096, 12288, 128) and gemv_takes(11008, 4096, 128) and gemv_takes(576, 1536, 192)
+    assert not gemv_takes(4096, 4104, 128)  # N % 16
+    assert not gemv_takes(4096, 4096, 16)  # runs of 16 k: not built
+
