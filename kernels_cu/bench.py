@@ -133,7 +133,8 @@ def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: i
         logits = engine.forward(prompts, cache)  # [B, P, V]
         sampler.sample(logits[:, -1], rows)
 
-    prefill()  # warm-up (kernel builds, cuBLAS handles)
+    for _ in range(3):  # warm-up: kernel builds, cuBLAS heuristics and handles, allocator pools (one was noisy)
+        prefill()
     with torch.cuda.stream(stream):
         prefill_times = _events_time(prefill, cfg.repeat)
     prefill_s = statistics.median(prefill_times)
