@@ -25,7 +25,7 @@ from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.awq_gemv import awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.embedding import embedding
-from kernels_cu.fp16_gemv import fp16_linear
+from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu, interleave_gate_up
 from kernels_cu.int8_gemm import int8_gemm
 from kernels_cu.quantize import quantize
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
@@ -73,14 +73,18 @@ def _api(fn: Callable) -> Callable:
 
 # ---------------------------------------------------------------------------------------------- linears
 class Fp16Op:
-    """y = x @ W^T (+ residual): GEMV kernel up to 16 rows, cuBLAS above."""
+    """y = x @ W^T (+ residual): GEMV kernel up to 16 rows, cuBLAS above. With `swiglu` W is a gate|up
+    weight interleaved by 8 and the op returns silu(gate) * up [M, F] (the GEMV's epilogue does it)."""
 
     int8 = False
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight  # [N, K] fp16
+    def __init__(self, weight: torch.Tensor, swiglu: bool = False):
+        self.swiglu = swiglu and weight.shape[0] % 16 == 0
+        self.weight = interleave_gate_up(weight) if self.swiglu else weight  # [N, K] fp16
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.swiglu:
+            return fp16_swiglu(x, self.weight)
         return fp16_linear(x, self.weight, residual)
 
     def nbytes(self) -> int:
@@ -129,7 +133,7 @@ class Int8Op:
 
 def _fuse(linears: list, device: torch.device, swiglu: bool = False):
     """One GPU op for linears that read the same input (q|k|v, gate|up), concatenated along N; `swiglu`
-    lets an op that can (AWQ) apply silu(gate) * up itself."""
+    lets an op that can (fp16, AWQ) apply silu(gate) * up itself."""
     first = linears[0]
     if isinstance(first, Int8Linear):
         qweight = torch.cat([l.qweight for l in linears]).to(device)  # [sum N, K]
@@ -146,7 +150,7 @@ def _fuse(linears: list, device: torch.device, swiglu: bool = False):
         return AwqOp(qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), swiglu=swiglu)
     if isinstance(first, DenseLinear):
         w = torch.cat([l.dense_weight() for l in linears]).to(device, torch.float16)  # [sum N, K]
-        return Fp16Op(w.contiguous())
+        return Fp16Op(w.contiguous(), swiglu=swiglu)
     raise DeviceError(f"the GPU engine cannot run linears of type {type(first).__name__}")
 
 
@@ -211,11 +215,7 @@ class Engine:
             self.embed = weights.embed.to(dev, torch.float16).contiguous()  # [V, H]
             self.lm_head = self.embed if self.config.tie_embeddings else weights.lm_head.to(dev, torch.float16).contiguous()
             self.norm = weights.norm.to(dev, torch.float16).contiguous()
-            self.layers = [GpuLayer(attn_norm=l.attn_norm.to(dev, torch.float16).contiguous(),
-                                    ffn_norm=l.ffn_norm.to(dev, torch.float16).contiguous(),
-                                    qkv=_fuse([l.wq, l.wk, l.wv], dev), o=_fuse([l.wo], dev),
-                                    gate_up=_fuse([l.w_gate, l.w_up], dev, swiglu=True), down=_fuse([l.w_down], dev))
-                           for l in weights.layers]
+            self.layers = [self._gpu_layer(l, dev) for l in weights.layers]
             self.max_len = min(cfg.max_len, self.config.max_positions)
             self.cos_sin = rope_table(self.config.head_dim, self.config.rope_theta, self.config.max_positions + 1, dev)
         self._caches: dict[tuple[int, bool], GpuCache] = {}
@@ -223,6 +223,15 @@ class Engine:
         build.synchronize()
 
     # -- construction -----------------------------------------------------------------------------------
+    @staticmethod
+    def _gpu_layer(l: Any, dev: torch.device) -> GpuLayer:
+        down = _fuse([l.w_down], dev)
+        # an int8 down_proj takes its input quantized by silu_mul_quant, so its gate|up stays unfused
+        return GpuLayer(attn_norm=l.attn_norm.to(dev, torch.float16).contiguous(),
+                        ffn_norm=l.ffn_norm.to(dev, torch.float16).contiguous(),
+                        qkv=_fuse([l.wq, l.wk, l.wv], dev), o=_fuse([l.wo], dev),
+                        gate_up=_fuse([l.w_gate, l.w_up], dev, swiglu=not down.int8), down=down)
+
     @classmethod
     def from_loaded(cls, loaded: Any, cfg: EngineConfig = EngineConfig()) -> "Engine":
         from fllama_cli.runtime import build_weights

@@ -7,6 +7,7 @@
 // The lane's 8 halves go 4 + 4 to the two mma (a0/a2 = halves 0-1/2-3, then 4-5/6-7) and the activation
 // halves the same way. Loads are software-pipelined one step ahead (see int8_gemm.cu).
 // grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
+#include "common.cuh"
 #include "gemm_common.cuh"
 
 using namespace fllama;
@@ -17,7 +18,9 @@ constexpr int WARPS = 8;
 constexpr int UNROLL = 4;
 constexpr int TILE_K = 32;
 
-template <int MT, bool RESIDUAL>
+// EPI: 0 plain, 1 + residual, 2 SwiGLU of a gate|up weight interleaved by 8 (block rows 0-7 = gate
+// channels 8b.., rows 8-15 = the same up channels): y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up.
+template <int MT, int EPI>
 __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* __restrict__ x,
                                           const __half* __restrict__ weight, const __half* __restrict__ residual,
                                           int M, int N, int K) {
@@ -90,25 +93,38 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) sum += red[w][mt][r][l];
+    if (EPI == 2) {  // r 0, 1: gate channel g of this block; r + 2: the matching up channel (same order)
+        const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+        if (r < 2 && m < M) {
+            float up_sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) up_sum += red[w][mt][r + 2][l];
+            const __half gate = __float2half_rn(sum), up = __float2half_rn(up_sum);
+            y[(size_t)m * (N / 2) + blockIdx.x * 8 + (l >> 2)] = __hmul_rn(silu_h(__half2float(gate)), up);
+        }
+        return;
+    }
     const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
     const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
     if (n < N && m < M) {
         const size_t o = (size_t)m * N + n;
         const __half h = __float2half_rn(sum);
-        y[o] = RESIDUAL ? __hadd_rn(h, residual[o]) : h;  // fp16 add after rounding, like the reference
+        y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;  // fp16 add after rounding, like the reference
     }
 }
 
 }  // namespace
 
 // (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K)
-#define FLLAMA_FP16_GEMV(NAME, MT, RES)                                                                    \
+#define FLLAMA_FP16_GEMV(NAME, MT, EPI)                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K) { \
-        fp16_gemv<MT, RES>(y, x, weight, residual, M, N, K);                                               \
+        fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K);                                               \
     }
 
-FLLAMA_FP16_GEMV(fp16_gemv_mt1, 1, false)
-FLLAMA_FP16_GEMV(fp16_gemv_mt2, 2, false)
-FLLAMA_FP16_GEMV(fp16_gemv_mt1_res, 1, true)
-FLLAMA_FP16_GEMV(fp16_gemv_mt2_res, 2, true)
+FLLAMA_FP16_GEMV(fp16_gemv_mt1, 1, 0)
+FLLAMA_FP16_GEMV(fp16_gemv_mt2, 2, 0)
+FLLAMA_FP16_GEMV(fp16_gemv_mt1_res, 1, 1)
+FLLAMA_FP16_GEMV(fp16_gemv_mt2_res, 2, 1)
+FLLAMA_FP16_GEMV(fp16_gemv_mt1_silu, 1, 2)
+FLLAMA_FP16_GEMV(fp16_gemv_mt2_silu, 2, 2)

@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 FLLAMA_CUDA_CACHE=/tmp/fll
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 for step in "$@"; do
   case $step in
-    kernels) timeout 300 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$out/pytest_gpu.log" | tail -n 60 ;;
+    kernels) timeout 420 python -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rf 2>&1 | tee "$out/pytest_gpu.log" | tail -n 60 ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         FLLAMA_CUDA_SYNC=1 timeout 200 compute-sanitizer --tool $tool --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4

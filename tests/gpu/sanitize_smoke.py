@@ -14,7 +14,7 @@ def main() -> None:
     from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
     from kernels_cu.awq_gemv import awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding
-    from kernels_cu.fp16_gemv import fp16_linear
+    from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
     from kernels_cu.int8_gemm import int8_gemm
     from kernels_cu.quantize import quantize
     from kernels_cu.rmsnorm import add_rmsnorm, add_rmsnorm_quant, rmsnorm, rmsnorm_quant
@@ -46,6 +46,7 @@ def main() -> None:
                 xm = r(M, H)
                 wd = r(F, H)
                 fp16_linear(xm, wd, residual=r(M, F))
+                fp16_swiglu(xm, r(2 * F, H))
                 qw, ws = quantize_weight_int8(wd.float())
                 qx, sx = quantize(xm)
                 int8_gemm(qx, sx, qw, ws, residual=r(M, F))

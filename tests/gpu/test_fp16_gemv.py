@@ -8,7 +8,8 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, compare, poison, randn
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu.fp16_gemv import fp16_gemv, fp16_linear, fp16_linear_ref  # noqa: E402
+from kernels_cu.fp16_gemv import (fp16_gemv, fp16_linear, fp16_linear_ref, fp16_swiglu, fp16_swiglu_ref,  # noqa: E402
+                                  interleave_gate_up)
 
 pytestmark = pytest.mark.gpu
 
@@ -49,3 +50,25 @@ def test_linear_uses_cublas_above_16_rows(M):
 def test_fused_residual(M):
     x, w, r = randn(M, 4096, seed=M), randn(11008, 4096, scale=0.05, seed=3), randn(M, 11008, seed=M + 9)
     check(fp16_linear(x, w, residual=r), fp16_linear_ref(x, w, residual=r), f"residual M={M}")
+
+
+@pytest.mark.parametrize("K,F", [(576, 1536), (4096, 11008), (256, 40)])
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
+def test_swiglu_epilogue(M, K, F):
+    """An interleaved gate|up weight: silu(gate) * up from the GEMV's epilogue (M <= 16) or cuBLAS + torch."""
+    gate, up = randn(F, K, seed=F, scale=0.05), randn(F, K, seed=F + 1, scale=0.05)
+    w = interleave_gate_up(torch.cat([gate, up]))  # [2F, K]
+    x = randn(M, K, seed=M)
+    y = torch.empty(M, F, dtype=torch.float16, device="cuda")
+    poison(y)
+    fp16_swiglu(x, w, out=y)
+    # the same sums as the plain GEMV of [gate; up], then torch's fp16 SiLU and multiply
+    g16, u16 = fp16_linear(x, gate), fp16_linear(x, up)
+    compare(y, torch.nn.functional.silu(g16) * u16, rtol=2e-3, atol=1e-3 * float(u16.float().abs().mean()),
+            what=f"M={M} K={K} F={F}")
+    ref = fp16_swiglu_ref(x, w)
+    err = (y.double() - ref.double()).abs()
+    eg = 2e-3 * float(g16.float().pow(2).mean().sqrt())
+    eu = 2e-3 * float(u16.float().pow(2).mean().sqrt())
+    bound = eg * 1.1 * u16.double().abs() + torch.nn.functional.silu(g16.double()).abs() * eu + 2e-3 * ref.double().abs()
+    assert bool((err <= bound + eg * eu).all()), f"M={M}: worst excess {float((err - bound).max()):.3g}"
