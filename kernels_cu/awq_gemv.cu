@@ -196,37 +196,43 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     }
 }
 
-// w_hat [N, K] = fp16((q - z) * s): one thread per (panel, tile, row h, lane) 16-byte chunk = 32 values
-// of one channel; bit-identical to calibrate.awq_pack.dequantize_awq.
+// w_hat [N, K] = fp16((q - z) * s): one thread per 16-byte chunk (32 values of one channel in one tile),
+// threads ordered (channel, tile, t) so that neighbours write neighbouring runs of a w_hat row (coalesced
+// 16-byte stores; the 16-byte reads of the packed layout are the scattered side, a quarter of the bytes).
+// Bit-identical to calibrate.awq_pack.dequantize_awq.
 template <int GPT>
 __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, const uint32_t* __restrict__ packed,
                                                    const uint32_t* __restrict__ terms, int N, int K, int tiles) {
     constexpr int GS = TILE_K / GPT;
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;  // chunk index
-    const size_t chunks = (size_t)(N / 16) * tiles * 64;
-    if (i >= chunks) return;
-    const int lane = (int)(i & 31), h = (int)((i >> 5) & 1);
-    const size_t pt = i >> 6;  // panel * tiles + tile
-    const int tile = (int)(pt % tiles), panel = (int)(pt / tiles);
-    const int g = lane >> 2, t = lane & 3;
-    const int n = panel * 16 + 8 * h + g;
-    const uint4 w = *reinterpret_cast<const uint4*>(packed + i * 4);
+    constexpr int MPG = 8 / GPT;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)N * tiles * 4) return;
+    const int t = (int)(i & 3);
+    const size_t rest = i >> 2;
+    const int tile = (int)(rest % tiles), n = (int)(rest / tiles);
+    const int panel = n >> 4, h = (n >> 3) & 1, g = n & 7;
+    const size_t pt = (size_t)panel * tiles + tile;
+    const uint4 w = *reinterpret_cast<const uint4*>(packed + ((pt * 2 + h) * 32 + g * 4 + t) * 4);
 #pragma unroll
     for (int q = 0; q < GPT; ++q) {
-        const uint32_t v = terms[(((size_t)panel * tiles + tile) * GPT + q) * 16 + 2 * g + h];
+        const uint32_t v = terms[((pt * GPT + q) * 8 + g) * 2 + h];
         const __half2 zlo = bits_h2(prmt(v, v, 0x3232));
         const __half2 zhi = __hsub2(bits_h2(FP16_960), zlo);
         const __half2 s = bits_h2(prmt(v, v, 0x1010));
 #pragma unroll
-        for (int jj = 0; jj < 8 / GPT; ++jj) {
-            const int j = q * (8 / GPT) + jj;
-            const uint32_t wd = word(w, j >> 1) >> ((j & 1) * 8);
-            const __half2 e01 = __hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), zlo), s);
-            const __half2 e23 = __hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
-                                                   bits_h2(FP16_ONE_SIXTEENTH), zhi), s);
+        for (int jj = 0; jj < MPG; jj += 2) {  // two mma runs of 4 k = 8 consecutive k: one 16-byte store
+            uint32_t o[4];
+#pragma unroll
+            for (int d = 0; d < 2; ++d) {
+                const int j = q * MPG + jj + d;
+                const uint32_t wd = word(w, j >> 1) >> ((j & 1) * 8);
+                o[2 * d] = h2_bits(__hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), zlo), s));
+                o[2 * d + 1] = h2_bits(__hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
+                                                          bits_h2(FP16_ONE_SIXTEENTH), zhi), s));
+            }
             const int k = tile * TILE_K + q * GS + t * (GS / 4) + 4 * jj;
-            if (k < K) {  // K % 4 == 0: the 4 values are all in or all out (the padding is dropped)
-                *reinterpret_cast<uint2*>(w_hat + (size_t)n * K + k) = make_uint2(h2_bits(e01), h2_bits(e23));
+            if (k < K) {  // K % 8 == 0 and k % 8 == 0: the 8 values are all in or all out (padding dropped)
+                *reinterpret_cast<uint4*>(w_hat + (size_t)n * K + k) = make_uint4(o[0], o[1], o[2], o[3]);
             }
         }
     }

@@ -182,7 +182,7 @@ def awq_packed_dequantize(p: AwqPacked, out: torch.Tensor | None = None) -> torc
     of the packed weight)."""
     with build.on_stream():
         w_hat = out_or_new(out, (p.n, p.k), torch.float16, p.packed, "out")
-        chunks = (p.n // PANEL) * p.tiles * 64
+        chunks = p.n * p.tiles * 4  # one thread per (channel, tile, lane t) 16-byte chunk
         fn = build.get_function("awq_gemv.cu", f"awq_packed_dequant_g{p.gpt}", "PPPiii")
         fn((cdiv(chunks, 256),), (256,), w_hat, p.packed, p.terms, p.n, p.k, p.tiles)
     return w_hat

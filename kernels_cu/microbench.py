@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kernels_cu import build
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
-from kernels_cu.awq_gemv import AwqPacked, awq_gemv, pack_for_gemv
+from kernels_cu.awq_gemv import AwqPacked, awq_gemv, awq_packed_dequantize, pack_for_gemv
 from kernels_cu.fp16_gemv import fp16_gemv
 from kernels_cu.int8_gemm import int8_gemm
 
@@ -147,6 +147,16 @@ def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
     return Row("awq dequant", f"{k}x{n}", 0, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
 
 
+def bench_awq_packed_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
+    qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
+    sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
+    p = pack_for_gemv(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"), qz, sc)
+    out = torch.empty(n, k, dtype=torch.float16, device="cuda")
+    us = time_graph(lambda i: awq_packed_dequantize(p, out=out), 1)
+    nbytes = p.nbytes() + 2 * k * n
+    return Row("awq-gemv dequant", f"{k}x{n}", 0, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+
+
 def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: int = 128) -> Row:
     L = ctx
     k = torch.randn(b, hkv, L, d, device="cuda", dtype=torch.float16)
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(bench_awq(m, k, n, bw, splits=int(s)))
     if "dequant" in only:
         rows += [bench_awq_dequant(k, n, bw) for _, k, n in SHAPES_7B]
+        rows += [bench_awq_packed_dequant(k, n, bw) for _, k, n in SHAPES_7B]
     if "attn" in only:
         rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
     print(f"{'op':<14}{'shape':<14}{'M':>4}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")

@@ -17,6 +17,9 @@ for step in "$@"; do
       timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4 ;;
     awqtests) timeout 300 python -m pytest -m gpu tests/gpu/test_awq_gemv.py tests/gpu/test_engine.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
     microawq) timeout 200 python -m kernels_cu.microbench --only awq --ms 1,8,16,32 2>&1 | tail -n 40 ;;
+    microdq) timeout 100 python -m kernels_cu.microbench --only dequant 2>&1 | tail -n 10 ;;
+    prefillawq) timeout 200 python -m fllama_cli.main bench --model llama2-7b --random --scheme fp16,awq \
+        --batch 1 --prompt-len 2048 --gen-len 32 --repeat 5 --baseline none 2>&1 | grep -E "fp16|awq" | tail -n 4 ;;
     benchawq) timeout 300 python -m fllama_cli.main bench --model llama2-7b --random --scheme awq \
         --batch 1,8,32 --prompt-len 512 --gen-len 128 --repeat 3 --baseline none 2>&1 | tail -n 12 ;;
     micro) timeout 200 python -m kernels_cu.microbench --json "$out/micro.json" 2>&1 | tail -n 45 ;;
