@@ -59,12 +59,7 @@ __device__ __forceinline__ void awq_gemm(float* __restrict__ partial, const __ha
 
     bool x_ok[MT];
     const __half* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int m = m0 + mt * 8 + g;
-        x_ok[mt] = m < M;
-        x_row[mt] = x + (size_t)(x_ok[mt] ? m : 0) * K + 4 * t;
-    }
+    token_rows<MT>(x, M, K, m0, g, 4 * t, x_ok, x_row);
 
     float acc[MT][4][4][4];  // [token tile][word][pair][c0..c3]
 #pragma unroll

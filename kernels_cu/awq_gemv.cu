@@ -71,12 +71,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
 
     bool x_ok[MT];
     const __half* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int m = m0 + mt * 8 + g;
-        x_ok[mt] = m < M;
-        x_row[mt] = x + (size_t)(x_ok[mt] ? m : 0) * K + t * (GS / 4);
-    }
+    token_rows<MT>(x, M, K, m0, g, t * (GS / 4), x_ok, x_row);
     const uint32_t* wp = packed + (size_t)panel * tiles * TILE_WORDS + lane * 4;
     const uint32_t* tp = terms + ((size_t)panel * tiles * GPT * 8 + g) * 2;
 

@@ -35,12 +35,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     const __half* w_hi = weight + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + 8 * t;
     bool x_ok[MT];
     const __half* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int m = m0 + mt * 8 + g;
-        x_ok[mt] = m < M;
-        x_row[mt] = x + (size_t)(x_ok[mt] ? m : 0) * K + 8 * t;
-    }
+    token_rows<MT>(x, M, K, m0, g, 8 * t, x_ok, x_row);
 
     float acc[MT][4];
 #pragma unroll

@@ -88,6 +88,19 @@ __device__ __forceinline__ void cp_async_wait() {  // at most PENDING groups of 
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// The activation rows a lane feeds as the mma's B operand: token m0 + 8 mt + g of each of its MT token tiles,
+// starting at element `offset` of the row. Rows past M point at row 0 and are flagged, so loads stay in bounds.
+template <int MT, typename T>
+__device__ __forceinline__ void token_rows(const T* x, int M, int K, int m0, int g, int offset, bool (&ok)[MT],
+                                           const T* (&row)[MT]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = m0 + mt * 8 + g;
+        ok[mt] = m < M;
+        row[mt] = x + (size_t)(ok[mt] ? m : 0) * K + offset;
+    }
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;  // i is always a compile-time constant
 }

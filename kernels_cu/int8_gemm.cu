@@ -44,12 +44,7 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
     const int8_t* w_hi = qweight + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + 16 * t;
     bool x_ok[MT];
     const int8_t* x_row[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int m = m0 + mt * 8 + g;
-        x_ok[mt] = m < M;
-        x_row[mt] = qx + (size_t)(x_ok[mt] ? m : 0) * K + 16 * t;
-    }
+    token_rows<MT>(qx, M, K, m0, g, 16 * t, x_ok, x_row);
 
     int acc[MT][4];
 #pragma unroll

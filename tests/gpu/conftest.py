@@ -73,3 +73,23 @@ def randn(*shape: int, scale: float = 1.0, seed: int = 0, dtype=torch.float16) -
     """Fresh random values on the GPU (a CPU generator keeps them reproducible); never all zeros."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(dtype).cuda()
+
+
+def awq_tensors(K: int, N: int, G: int, seed: int):
+    """Random AutoAWQ-GEMM tensors: packed words (every nibble value, incl. zero points 0 and 15) and positive
+    fp16 scales: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N] on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.randint(-2**31, 2**31, (K // G, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 1e-3).to(torch.float16)
+    return qweight.cuda(), qzeros.cuda(), scales.cuda()
+
+
+def check_gemm(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """A fp16 GEMM output against its float64 reference: finite, element-wise within 2e-3 (relative, and of
+    the rms), and 1e-3 relative in norm."""
+    assert bool(torch.isfinite(y).all()), what
+    rms = float(ref.float().pow(2).mean().sqrt())
+    compare(y, ref, rtol=2e-3, atol=2e-3 * rms, what=what)
+    rel = float((y.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 1e-3, f"{what}: relative error {rel:.2e}"

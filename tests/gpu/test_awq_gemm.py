@@ -7,7 +7,7 @@ of the same w_hat, rounded to fp16.
 import pytest
 import torch
 
-from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, poison, randn
+from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, awq_tensors, check_gemm, poison, randn
 
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -20,23 +20,6 @@ pytestmark = pytest.mark.gpu
 # (K, N, G): hidden 576 takes groups of 32 / 64 / 192; LLaMA-2-7B shapes with 128.
 SHAPES = [(576, 1536, 64), (1536, 576, 32), (576, 576, 192), (4096, 4096, 128), (4096, 12288, 128),
           (11008, 4096, 128), (4096, 1024, 32)]
-
-
-def awq_tensors(K: int, N: int, G: int, seed: int):
-    """Random packed words (every nibble value, incl. zero points 0 and 15) and positive fp16 scales."""
-    g = torch.Generator().manual_seed(seed)
-    qweight = torch.randint(-2**31, 2**31, (K, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    qzeros = torch.randint(-2**31, 2**31, (K // G, N // 8), generator=g, dtype=torch.int64).to(torch.int32)
-    scales = (torch.rand(K // G, N, generator=g) * 0.02 + 1e-3).to(torch.float16)
-    return qweight.cuda(), qzeros.cuda(), scales.cuda()
-
-
-def check_gemm(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert bool(torch.isfinite(y).all()), what
-    rms = float(ref.float().pow(2).mean().sqrt())
-    compare(y, ref, rtol=2e-3, atol=2e-3 * rms, what=what)
-    rel = float((y.double() - ref.double()).norm() / ref.double().norm())
-    assert rel < 1e-3, f"{what}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("K,N,G", SHAPES)
