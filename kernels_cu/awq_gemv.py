@@ -16,12 +16,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from calibrate.awq_pack import unpack_awq
 from kernels_cu import build
 from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import cdiv
+from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved
 
 TILE_K = 128
 PANEL = 16
@@ -84,8 +84,8 @@ def pack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Ten
     q = unpack_awq(qweight).t()  # [N, K] uint8
     z = unpack_awq(qzeros).t()  # [N, K/G]
     s = scales.to(torch.float16).t()  # [N, K/G]
-    if swiglu:  # N % 16 == 0, so gate and up each split into panels' halves of 8
-        order = torch.arange(N, device=q.device).reshape(2, N // 16, 8).transpose(0, 1).reshape(-1)  # [N]
+    if swiglu:
+        order = gate_up_order(N, q.device)  # [N]
         q, z, s = q[order], z[order], s[order]
     T = cdiv(K, TILE_K)
     gs = math.gcd(G, TILE_K)
@@ -98,7 +98,7 @@ def pack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Ten
     words = torch.zeros(qp.shape[:-1], dtype=torch.int64, device=q.device)
     for r, nib in enumerate(NIBBLE_OF):
         words |= qp[..., r].to(torch.int64) << (4 * nib)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 as the int32 sign
     packed = words.reshape(N // PANEL, T, 256).contiguous()
     # terms per GS-run (a checkpoint group covers G / gs runs; runs past K get s = 0, z = 0)
     runs = T * gpt
@@ -107,9 +107,8 @@ def pack_for_gemv(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Ten
     src = torch.where(valid, src, torch.zeros_like(src))
     s_bits = s[:, src].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [N, runs]
     zm = (z[:, src].to(torch.float16) + 1024).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    # 1024 + z <= 1039 is 0x640f in fp16: bit 31 stays clear, so the word is a non-negative int32 as it is
     term = torch.where(valid, s_bits | (zm << 16), torch.full_like(s_bits, 0x6400 << 16))  # pad: s 0, z 0
-    term = term.to(torch.int64)
-    term = torch.where(term >= 2**31, term - 2**32, term).to(torch.int32)
     terms = term.reshape(N // PANEL, 2, 8, runs).permute(0, 3, 2, 1).contiguous()  # [N/16, runs, 8 (g), 2 (h)]
     return AwqPacked(packed, terms, N, K, G, gs, swiglu)
 
@@ -137,12 +136,11 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows, else w_hat + cuBLAS."""
     M = _check(x, p, residual)
     if M <= GEMV_MAX_M:
-        return awq_gemv(x, p, residual, out)
+        return _gemv(x, p, residual, out)
     with build.on_stream():
         y = torch.matmul(x, awq_packed_dequantize(p).t())  # [M, N]
         if p.swiglu:
-            y = y.reshape(M, -1, 2, 8)  # [M, N/16, gate | up, 8]
-            y = (F.silu(y[:, :, 0]) * y[:, :, 1]).reshape(M, -1)  # fp16 ops: silu_mul.cu's rounding
+            y = swiglu_interleaved(y)  # [M, N/2]
         elif residual is not None:
             y.add_(residual)
         if out is not None:
@@ -154,7 +152,12 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
 def awq_gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMV kernel for any M (it re-reads the weight once per 32 rows: meant for M <= 64)."""
-    M = _check(x, p, residual)
+    _check(x, p, residual)
+    return _gemv(x, p, residual, out)
+
+
+def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    M = x.shape[0]
     with build.on_stream():
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=2)
         if M == 0:
@@ -196,8 +199,7 @@ def awq_linear_ref(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None 
              scales.double().repeat_interleave(G, 1)).to(torch.float16)  # [N, K]
     y = (x.double() @ w_hat.double().t()).to(torch.float16)  # [M, N]
     if p.swiglu:
-        y = y.reshape(y.shape[0], -1, 2, 8)
-        return (F.silu(y[:, :, 0].float()).to(torch.float16) * y[:, :, 1]).reshape(y.shape[0], -1)
+        return swiglu_interleaved(y)
     return y if residual is None else y + residual
 
 

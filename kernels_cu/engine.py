@@ -25,13 +25,14 @@ from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.awq_gemv import awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.embedding import embedding
-from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu, interleave_gate_up
+from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
 from kernels_cu.quantize import quantize
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
 from kernels_cu.rope_kv import rope_kv, rope_table
 from kernels_cu.sampling import GpuSampler
 from kernels_cu.silu_mul import silu_mul, silu_mul_quant
+from kernels_cu.swiglu_layout import interleave_gate_up
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import DeviceError, PromptError
 from model_zoo.linear import DenseLinear
@@ -119,6 +120,7 @@ class Int8Op:
     """y = (q_x @ Wq^T) * a_scale * w_scale (+ residual); takes the (q_x, a_scale) its producer made."""
 
     int8 = True
+    swiglu = False  # its down_proj needs the SwiGLU output quantized: silu_mul_quant does both
 
     def __init__(self, qweight: torch.Tensor, w_scale: torch.Tensor, amax: torch.Tensor | None):
         self.qweight, self.w_scale = qweight, w_scale  # [N, K] int8, [N] fp32
@@ -325,7 +327,7 @@ class Engine:
             o = quantize(o, L.o.amax)
         h = L.o(o, residual=h)  # [T, H]
         xn = self._norm_in(h, L.ffn_norm, L.gate_up)
-        if getattr(L.gate_up, "swiglu", False):
+        if L.gate_up.swiglu:
             a = L.gate_up(xn)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
         else:
             gu = L.gate_up(xn)  # [T, 2F]

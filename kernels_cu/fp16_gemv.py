@@ -5,18 +5,18 @@
 M <= 16: fp16_gemv, a tensor-core GEMV that streams the weight once (cuBLAS leaves a third of the
 bandwidth unused at M = 1). Larger M: torch.matmul (cuBLAS tensor-core GEMM).
 
-SwiGLU: a gate|up weight whose rows are interleaved by 8 (`interleave_gate_up`: each 16-row block holds 8
-gate rows and the same 8 up rows) lets `fp16_swiglu` write silu(gate) * up from the GEMV's epilogue.
+SwiGLU: a gate|up weight interleaved by 8 (swiglu_layout.py) lets `fp16_swiglu` write silu(gate) * up from
+the GEMV's epilogue.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, gemv_grid, token_tile
+from kernels_cu.swiglu_layout import swiglu_interleaved
 
 DECODE_MAX_M = 16
 
@@ -48,23 +48,13 @@ def fp16_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | No
     return y
 
 
-def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
-    """[gate; up] rows [2F, ...] -> rows interleaved by 8: block b = gate rows 8b..8b+7, then up rows 8b..8b+7."""
-    n = w.shape[0]
-    if n % 16:
-        raise ValueError(f"interleaving gate|up needs 2F % 16 == 0, got {n} rows")
-    order = torch.arange(n, device=w.device).reshape(2, n // 16, 8).transpose(0, 1).reshape(-1)  # [2F]
-    return w[order].contiguous()
-
-
 def fp16_swiglu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x fp16 [M, K], interleaved gate|up weight [2F, K] -> silu(x @ gate^T) * (x @ up^T) fp16 [M, F]."""
     M, K, N = _check(x, weight, None)
     check_multiple(N, 16, "an interleaved gate|up weight's rows")
     with build.on_stream():
         if M > DECODE_MAX_M:
-            y = torch.matmul(x, weight.t()).reshape(M, N // 16, 2, 8)  # [M, blocks, gate | up, 8]
-            a = (F.silu(y[:, :, 0]) * y[:, :, 1]).reshape(M, N // 2)  # fp16 ops: silu_mul.cu's rounding
+            a = swiglu_interleaved(torch.matmul(x, weight.t()))  # [M, F]
             return a if out is None else out.copy_(a)
         y = out_or_new(out, (M, N // 2), torch.float16, x, "out", align=2)
         if M:
@@ -75,9 +65,7 @@ def fp16_swiglu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 
 def fp16_swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The float64 products rounded to fp16, then torch's fp16 SiLU and multiply."""
-    y = fp16_linear_ref(x, weight)  # [M, 2F]
-    y = y.reshape(y.shape[0], -1, 2, 8)
-    return (F.silu(y[:, :, 0].float()).half() * y[:, :, 1]).reshape(y.shape[0], -1)
+    return swiglu_interleaved(fp16_linear_ref(x, weight))  # [M, F]
 
 
 def fp16_linear_ref(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from calibrate.awq_pack import dequantize_awq, quantize_awq
 from kernels_cu.awq_gemv import gemv_takes, pack_for_gemv, unpack_from_gemv
+from kernels_cu.swiglu_layout import gate_up_order
 
 
 def awq_tensors(K: int, N: int, G: int, seed: int):
@@ -23,8 +24,7 @@ def test_pack_round_trips(K, N, G, swiglu):
     codes, zeros, sc = unpack_from_gemv(p)
     w_ref = dequantize_awq(qweight, qzeros, scales, G)  # [N, K]
     if swiglu:
-        order = torch.arange(N).reshape(2, N // 16, 8).transpose(0, 1).reshape(-1)
-        w_ref = w_ref[order]
+        w_ref = w_ref[gate_up_order(N)]
     w = ((codes.short() - zeros.short().repeat_interleave(G, 1)).half() * sc.repeat_interleave(G, 1))
     assert torch.equal(w, w_ref)
     assert p.packed.shape == (N // 16, -(-K // 128), 256)

@@ -93,3 +93,13 @@ def check_gemm(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     compare(y, ref, rtol=2e-3, atol=2e-3 * rms, what=what)
     rel = float((y.double() - ref.double()).norm() / ref.double().norm())
     assert rel < 1e-3, f"{what}: relative error {rel:.2e}"
+
+
+def check_swiglu(y: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """silu(gate) * up multiplies two computed sums, each carrying a GEMM's error (2e-3 of its rms): the bound
+    is that error propagated through the product (|silu'| <= 1.1), plus fp16 rounding of the result."""
+    gate, up = gate.double(), up.double()
+    eg, eu = 2e-3 * float(gate.pow(2).mean().sqrt()), 2e-3 * float(up.pow(2).mean().sqrt())
+    bound = eg * 1.1 * up.abs() + torch.nn.functional.silu(gate).abs() * eu + 2e-3 * ref.double().abs() + eg * eu
+    err = (y.double() - ref.double()).abs()
+    assert bool((err <= bound).all()), f"{what}: worst excess {float((err - bound).max()):.3g}"
