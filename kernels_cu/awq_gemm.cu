@@ -14,6 +14,7 @@
 //   order (deterministic, no atomics). grid (ceil(N / 256), splits, ceil(M / (8 * MT))), block 128.
 // awq_reduce[_res]: partials -> fp16 y (+ residual); 4 columns per thread.
 // awq_dequant: w_hat [K, N] fp16 for the prefill path (then a cuBLAS fp16 GEMM); same arithmetic.
+#include "common.cuh"
 #include "gemm_common.cuh"
 
 using namespace fllama;
@@ -210,6 +211,7 @@ __device__ __forceinline__ void awq_dequant(__half* __restrict__ w_hat, const ui
     extern "C" __global__ void __launch_bounds__(128)                                                      \
         NAME(float* partial, const __half* x, const uint32_t* qweight, const uint32_t* qzeros,            \
              const __half* scales, int M, int N, int K, int G, int tiles_per_warp) {                       \
+        pdl_enter();                                                                                       \
         awq_gemm<MT>(partial, x, qweight, qzeros, scales, M, N, K, G, tiles_per_warp);                     \
     }
 
@@ -219,11 +221,13 @@ FLLAMA_AWQ_GEMM(awq_gemm_mt2, 2)
 // (y fp16 [M,N], partial f32 [splits,M,N], residual fp16 [M,N] or null, int M, int N, int splits)
 extern "C" __global__ void __launch_bounds__(256)
     awq_reduce_plain(__half* y, const float* partial, const __half* residual, int M, int N, int splits) {
+    pdl_enter();
     awq_reduce<false>(y, partial, residual, M, N, splits);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     awq_reduce_res(__half* y, const float* partial, const __half* residual, int M, int N, int splits) {
+    pdl_enter();
     awq_reduce<true>(y, partial, residual, M, N, splits);
 }
 
@@ -231,5 +235,6 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     awq_dequant_kernel(__half* w_hat, const uint32_t* qweight, const uint32_t* qzeros, const __half* scales,
                        int N, int K, int G) {
+    pdl_enter();
     awq_dequant(w_hat, qweight, qzeros, scales, N, K, G);
 }

@@ -103,7 +103,9 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     };
 
     Step cur, nxt;
-    load(0, cur);
+    load(0, cur);  // weights and terms do not depend on the previous kernel: in flight before the wait
+    pdl_wait();
+    pdl_gemv_started();
     for (int base = 0; base < tiles; base += U * WARPS) {
         load(base + U * WARPS, nxt);
         uint4 xv[U][MT][4];
@@ -158,6 +160,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         cur = nxt;
     }
 
+    pdl_gemv_streamed();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -200,6 +203,7 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
                                                    const uint32_t* __restrict__ terms, int N, int K, int tiles) {
     constexpr int GS = TILE_K / GPT;
     constexpr int MPG = 8 / GPT;
+    pdl_enter();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)N * tiles * 4) return;
     const int t = (int)(i & 3);

@@ -119,4 +119,51 @@ __device__ __forceinline__ __half silu_h(float g) {
 
 enum QuantMode { QUANT_NONE = 0, QUANT_DYNAMIC = 1, QUANT_STATIC = 2 };
 
+// Programmatic dependent launch (sm_90; build.programmatic() launches with the attribute). A kernel so
+// launched may start while the kernel before it in the stream is still running: it must not read that
+// kernel's outputs, nor write anything it reads, before pdl_wait(), which returns once the previous grid
+// has completed and its writes are visible. pdl_launch_dependents() then lets the next kernel start its
+// own blocks as ours retire: called after the wait, so that when kernel n + 1 starts, kernel n - 1 is
+// complete (n + 1 only ever overlaps n, and only in its prologue). Without the attribute both are no-ops.
+// Every fllama kernel calls pdl_enter() (or the two steps, with weight loads between) before any other
+// global memory access.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// When a kernel lets the next one start: 0 never explicitly (at block exit), 1 right after its wait, 2 as 1
+// but the GEMVs only after their main loop, 3 as 2 but decode attention at block exit. 3 measured best
+// (docs/benchmarks.md). Our reading (not profiled): a dependent launched early places its blocks on whichever
+// SMs have room, and a GEMV crowded onto the SMs a long kernel leaves free streams through too few of them.
+#ifndef FLLAMA_PDL_TRIGGER
+#define FLLAMA_PDL_TRIGGER 3
+#endif
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && FLLAMA_PDL_TRIGGER > 0
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The GEMVs' two trigger points (after the wait / after the main loop).
+__device__ __forceinline__ void pdl_gemv_started() {
+    if (FLLAMA_PDL_TRIGGER == 1) pdl_launch_dependents();
+}
+__device__ __forceinline__ void pdl_gemv_streamed() {
+    if (FLLAMA_PDL_TRIGGER >= 2) pdl_launch_dependents();
+}
+
+// Decode attention: its wait, and its trigger unless the dependents wait for its blocks to exit.
+__device__ __forceinline__ void pdl_enter_attention() {
+    pdl_wait();
+    if (FLLAMA_PDL_TRIGGER != 3) pdl_launch_dependents();
+}
+
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 }  // namespace fllama

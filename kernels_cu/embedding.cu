@@ -19,9 +19,11 @@ __device__ __forceinline__ void embedding_row(__half* __restrict__ out, const __
 }
 
 extern "C" __global__ void embedding_i32(__half* out, const __half* table, const int32_t* ids, int V, int H) {
+    pdl_enter();
     embedding_row<int32_t>(out, table, ids, V, H);
 }
 
 extern "C" __global__ void embedding_i64(__half* out, const __half* table, const int64_t* ids, int V, int H) {
+    pdl_enter();
     embedding_row<int64_t>(out, table, ids, V, H);
 }

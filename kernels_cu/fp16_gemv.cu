@@ -45,21 +45,32 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
 
     const int tiles = (K + TILE_K - 1) / TILE_K;
     uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
-    auto load_step = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL], uint4 (&xs)[UNROLL][MT]) {
+    auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int k = (base + u) * TILE_K;
             const bool k_ok = k + 8 * t < K;  // K % 8 == 0: a lane's 8 halves are all in or all out
             l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
             h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k_ok && x_ok[mt]);
         }
     };
-    load_step(warp * UNROLL, wl, wh, xv);
+    auto load_x = [&](int base, uint4 (&xs)[UNROLL][MT]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (base + u) * TILE_K;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k + 8 * t < K && x_ok[mt]);
+        }
+    };
+    // The first step's weights do not depend on the previous kernel: they are in flight before the wait.
+    load_w(warp * UNROLL, wl, wh);
+    pdl_wait();
+    pdl_gemv_started();
+    load_x(warp * UNROLL, xv);
     for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
         uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
-        load_step(base + WARPS * UNROLL, nl, nh, nx);
+        load_w(base + WARPS * UNROLL, nl, nh);
+        load_x(base + WARPS * UNROLL, nx);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
@@ -77,6 +88,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
         }
     }
 
+    pdl_gemv_streamed();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

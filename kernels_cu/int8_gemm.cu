@@ -11,6 +11,7 @@
 //   grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
+#include "common.cuh"
 #include "gemm_common.cuh"
 
 using namespace fllama;
@@ -56,21 +57,32 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
     // otherwise sink each load next to its mma and keep only a quarter of them in flight).
     const int tiles = (K + TILE_K - 1) / TILE_K;
     uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
-    auto load_step = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL], uint4 (&xs)[UNROLL][MT]) {
+    auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int k = (base + u) * TILE_K;
             const bool k_ok = k + 16 * t < K;  // K % 16 == 0: a lane's 16 bytes are all in or all out
             l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
             h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k_ok && x_ok[mt]);
         }
     };
-    load_step(warp * UNROLL, wl, wh, xv);
+    auto load_x = [&](int base, uint4 (&xs)[UNROLL][MT]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (base + u) * TILE_K;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k + 16 * t < K && x_ok[mt]);
+        }
+    };
+    // The first step's weights do not depend on the previous kernel: they are in flight before the wait.
+    load_w(warp * UNROLL, wl, wh);
+    pdl_wait();
+    pdl_gemv_started();
+    load_x(warp * UNROLL, xv);
     for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
         uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
-        load_step(base + WARPS * UNROLL, nl, nh, nx);  // past the end: all guards false, no traffic
+        load_w(base + WARPS * UNROLL, nl, nh);
+        load_x(base + WARPS * UNROLL, nx);  // past the end: all guards false, no traffic
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
@@ -88,6 +100,7 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
         }
     }
 
+    pdl_gemv_streamed();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -148,6 +161,7 @@ FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, true)
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const int* acc, const float* a_scale, int a_stride, const float* w_scale,         \
              const __half* residual, int M, int N) {                                                       \
+        pdl_enter();                                                                                       \
         int8_dequant<RES>(y, acc, a_scale, a_stride, w_scale, residual, M, N);                             \
     }
 

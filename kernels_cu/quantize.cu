@@ -41,6 +41,7 @@ __device__ __forceinline__ void quantize_row(int8_t* __restrict__ q, float* __re
     extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                  \
         quantize_##NAME##_nv##NV(int8_t* q, float* a_scale, const float* static_amax, const __half* x, \
                                  int K) {                                                               \
+        pdl_enter();                                                                                    \
         quantize_row<NV, QMODE>(q, a_scale, static_amax, x, K);                                         \
     }
 

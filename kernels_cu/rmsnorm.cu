@@ -85,6 +85,7 @@ __device__ __forceinline__ void rmsnorm_row(__half* __restrict__ out, int8_t* __
     extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                                   \
         rmsnorm_##NAME##_nv##NV(__half* out, int8_t* q, float* a_scale, const float* static_amax,          \
                                 __half* residual, const __half* x, const __half* w, int H, float eps) {    \
+        pdl_enter();                                                                                       \
         rmsnorm_row<NV, RESIDUAL, QMODE>(out, q, a_scale, static_amax, residual, x, w, H, eps);            \
     }
 

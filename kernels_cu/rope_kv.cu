@@ -119,6 +119,7 @@ __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
         NAME(__half* q_out, void* k_cache, void* v_cache, float* k_scale, float* v_scale, const __half* qkv, \
              const float* cos_sin, const int* pos, const int* row, int nh, int nkv, int d, int L, int B,     \
              int max_pos) {                                                                                 \
+        pdl_enter();                                                                                        \
         const RopeArgs a{q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row,                 \
                          nh, nkv, d, L, B, max_pos};                                                        \
         rope_kv_token<INT8>(a);                                                                             \

@@ -374,11 +374,13 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f16(int* out, uint8_t* seen, int* finished, long long* rng, const __half* logits, const float* params,
                const int* eos_ids, int n_eos, int V) {
+    pdl_enter();
     sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V);
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(int* out, uint8_t* seen, int* finished, long long* rng, const float* logits, const float* params,
                const int* eos_ids, int n_eos, int V) {
+    pdl_enter();
     sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V);
 }

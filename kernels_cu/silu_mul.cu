@@ -49,6 +49,7 @@ __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, int8_t* _
     extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                      \
         silu_mul_##NAME##_nv##NV(__half* out, int8_t* q, float* a_scale, const float* static_amax,          \
                                  const __half* gate_up, int F) {                                            \
+        pdl_enter();                                                                                        \
         silu_mul_row<NV, QMODE>(out, q, a_scale, static_amax, gate_up, F);                                  \
     }
 
