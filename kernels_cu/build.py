@@ -6,6 +6,9 @@
   `torch_stream()`, so engine torch ops run under `with on_stream():` and `torch.cuda.graph(g,
   stream=torch_stream())` captures PyCUDA launches and torch ops in one graph (measured on an H200).
 - PyCUDA shares PyTorch's primary context (never pycuda.autoinit, which makes a second context).
+- Inside `with programmatic():` (the engine's forward) launches go through launch_ex.py's cuLaunchKernelEx with
+  programmatic dependent launch on Hopper: each kernel may start while the previous one finishes (every
+  kernel waits in `pdl_wait()` before it reads what the previous one wrote). FLLAMA_PDL=0 turns it off.
 
 Nothing here imports pycuda at module load: `import kernels_cu.*` works on CPU-only machines.
 
@@ -37,6 +40,8 @@ from model_zoo.errors import DeviceError
 KERNEL_DIR = Path(__file__).resolve().parent
 # IEEE division and sqrt are kept (no --use_fast_math) so numerics match the torch reference.
 BASE_OPTIONS = ("-O3", "-std=c++17", "-lineinfo")
+# Extra nvcc flags for experiments (e.g. FLLAMA_NVCC_FLAGS="-DFLLAMA_PDL_TRIGGER=2"); part of the cache key.
+EXTRA_OPTIONS = tuple(os.environ.get("FLLAMA_NVCC_FLAGS", "").split())
 SIGNATURE_CODES = frozenset("PiIqQf")
 STATIC_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in to dynamic shared memory
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -172,7 +177,7 @@ def source_text(cu_file: str) -> str:
 
 def cache_key(cu_file: str, arch: str, options: tuple[str, ...] = (), nvcc: str | None = None) -> str:
     h = hashlib.sha256()
-    for part in (source_text(cu_file), arch, "\0".join(BASE_OPTIONS + tuple(options)),
+    for part in (source_text(cu_file), arch, "\0".join(BASE_OPTIONS + EXTRA_OPTIONS + tuple(options)),
                  nvcc if nvcc is not None else nvcc_version()):
         h.update(part.encode())
         h.update(b"\0\1")
@@ -196,7 +201,7 @@ def compile_cubin(cu_file: str, arch: str, options: tuple[str, ...] = ()) -> Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".cubin", dir=out_dir)
     os.close(fd)
-    cmd = [nvcc, "-cubin", _gencode(arch), *BASE_OPTIONS, *options, f"-I{KERNEL_DIR}",
+    cmd = [nvcc, "-cubin", _gencode(arch), *BASE_OPTIONS, *EXTRA_OPTIONS, *options, f"-I{KERNEL_DIR}",
            "-o", tmp, str(KERNEL_DIR / cu_file)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -211,13 +216,14 @@ def compile_cubin(cu_file: str, arch: str, options: tuple[str, ...] = ()) -> Pat
 
 
 def _module(cu_file: str, options: tuple[str, ...]):
+    """(pycuda Module, cubin path) of a kernel file, compiled and loaded once per process."""
     with _lock:
         modules = _state.setdefault("modules", {})
         if (cu_file, options) not in modules:
             require_cuda()
             import pycuda.driver as drv
             path = compile_cubin(cu_file, device_arch(), options)
-            modules[cu_file, options] = drv.module_from_file(str(path))
+            modules[cu_file, options] = (drv.module_from_file(str(path)), str(path))
         return modules[cu_file, options]
 
 
@@ -228,7 +234,8 @@ def get_function(cu_file: str, name: str, signature: str, options: tuple[str, ..
         functions = _state.setdefault("functions", {})
         key = (cu_file, options, name)
         if key not in functions:
-            functions[key] = KernelFunction(_module(cu_file, options).get_function(name), name, signature)
+            module, path = _module(cu_file, options)
+            functions[key] = KernelFunction(module.get_function(name), name, signature, path)
         fn = functions[key]
     if fn.signature != signature:
         raise ValueError(f"{name}: signature {signature!r} differs from the earlier {fn.signature!r}")
@@ -237,19 +244,54 @@ def get_function(cu_file: str, name: str, signature: str, options: tuple[str, ..
 
 # ---------------------------------------------------------------- launching
 
+_local = threading.local()
+
+
+def pdl_supported() -> bool:
+    """Programmatic dependent launch: Hopper or newer, and not turned off with FLLAMA_PDL=0."""
+    if os.environ.get("FLLAMA_PDL", "1") == "0":
+        return False
+    with _lock:
+        if "pdl" not in _state:
+            _state["pdl"] = torch.cuda.get_device_capability()[0] >= 9
+        return _state["pdl"]
+
+
+@contextmanager
+def programmatic() -> Iterator[None]:
+    """Launches in this block (this thread) use programmatic dependent launch where supported.
+
+    Only for code whose kernels read no weights written by the kernel just before them: a kernel's
+    prologue loads its weights before it waits for the previous kernel (the engine's weights are written
+    and synchronized at load, so its forward qualifies)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def programmatic_active() -> bool:
+    return getattr(_local, "depth", 0) > 0 and pdl_supported()
+
+
 class KernelFunction:
     """A compiled kernel with a declared argument signature, launched async on fllama's stream."""
 
-    def __init__(self, fn, name: str, signature: str):
+    def __init__(self, fn, name: str, signature: str, cubin: str | None = None):
         bad = set(signature) - SIGNATURE_CODES
         if bad:
             raise ValueError(f"{name}: unknown signature codes {sorted(bad)} (use {''.join(sorted(SIGNATURE_CODES))})")
         self._fn = fn.prepare(signature)
         self.name = name
         self.signature = signature
+        self._cubin = cubin
+        self._ex = None  # launch_ex.ProgrammaticLauncher, made on the first programmatic launch
+        self.programmatic_launches = 0
         self._stream = stream()
         self._stream_handle = int(self._stream.handle)
         self._max_dynamic_shared = STATIC_SHARED_LIMIT
+        self._ex_max_dynamic_shared = STATIC_SHARED_LIMIT
         self._sync_each = os.environ.get("FLLAMA_CUDA_SYNC") == "1"  # debugging: surface async faults here
 
     def __call__(self, grid: tuple, block: tuple, *args, shared: int = 0) -> None:
@@ -263,12 +305,32 @@ class KernelFunction:
             import pycuda.driver as drv
             self._fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
             self._max_dynamic_shared = shared
+        if self._cubin is not None and programmatic_active():
+            self._launch_ex(_dim3(grid), _dim3(block), packed, shared)
+            return
         try:
             self._fn.prepared_async_call(_dim3(grid), _dim3(block), self._stream, *packed, shared_size=shared)
             if self._sync_each:
                 self._stream.synchronize()
         except Exception as e:  # pycuda.driver.LaunchError / LogicError
             raise DeviceError(f"kernel {self.name} grid={grid} block={block}: {_one_line(e)}") from None
+
+    def _launch_ex(self, grid: tuple[int, int, int], block: tuple[int, int, int], packed: list, shared: int) -> None:
+        from kernels_cu import launch_ex
+
+        if self._ex is None:
+            self._ex = launch_ex.ProgrammaticLauncher(launch_ex.load_function(self._cubin, self.name),
+                                                      self.name, self.signature)
+        if shared > self._ex_max_dynamic_shared:
+            launch_ex.set_max_dynamic_shared(self._ex.fn, shared)
+            self._ex_max_dynamic_shared = shared
+        self._ex(grid, block, self._stream_handle, shared, packed)
+        self.programmatic_launches += 1
+        if self._sync_each:
+            try:
+                self._stream.synchronize()
+            except Exception as e:
+                raise DeviceError(f"kernel {self.name} grid={grid} block={block}: {_one_line(e)}") from None
 
     @property
     def num_regs(self) -> int:

@@ -66,8 +66,9 @@ def _api(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         # no_grad, not inference_mode: the caches and buffers must stay ordinary tensors that callers (the
-        # chat session's cache.lengths) may update in place outside any mode
-        with torch.no_grad(), _caller_ordered():
+        # chat session's cache.lengths) may update in place outside any mode. Programmatic launch: the
+        # weights were written and synchronized in __init__, so kernels may prefetch them early.
+        with torch.no_grad(), _caller_ordered(), build.programmatic():
             return fn(*args, **kwargs)
     return wrapper
 

@@ -1,0 +1,136 @@
+"""Programmatic dependent launch (PDL) through the driver's cuLaunchKernelEx, reached with ctypes.
+
+Why: a decode step is ~300 kernels, most of them a few microseconds long, and between two kernels of a
+stream the GPU drains the first completely before the second starts (its blocks then wait for their
+first DRAM loads). Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, a kernel may
+start while the one before it finishes: our kernels issue the weight loads of their first step, then
+`griddepcontrol.wait` (common.cuh, pdl_wait) until the previous grid is complete and visible. The
+attribute is kept by stream capture, so the CUDA graph of a decode step has programmatic edges.
+
+PyCUDA (2026.1) launches with cuLaunchKernel only and does not expose its CUfunction handles, so this
+module loads the same cubin a second time with cuModuleLoad into the same (primary) context and launches
+with cuLaunchKernelEx; the arguments go in one packed buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), packed with
+native alignment as PyCUDA packs them. build.py decides when to use it (see build.programmatic).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+from model_zoo.errors import DeviceError
+
+# cuda.h (CUDA 12.3+, same values in 13.0)
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_PARAM_END = 0
+CU_LAUNCH_PARAM_BUFFER_POINTER = 1
+CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an enum id padded to 8 bytes, then a 64-byte value union (an int here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def arg_format(signature: str) -> str:
+    """build.py's signature codes are struct codes; '@' packs them with C's alignment (as PyCUDA does)."""
+    return "@" + signature
+
+
+def pack_args(signature: str, args: list) -> bytes:
+    return struct.pack(arg_format(signature), *args)
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _lib() -> ctypes.CDLL:
+    with _lock:
+        if "lib" not in _state:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise DeviceError(f"cannot load the CUDA driver library: {e}") from None
+            lib.cuModuleLoad.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+            lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+            lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            _state["lib"] = lib
+            _state["modules"] = {}
+        return _state["lib"]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        _lib().cuGetErrorString(rc, ctypes.byref(msg))
+        raise DeviceError(f"{what}: {(msg.value or b'CUDA error').decode()} ({rc})")
+
+
+def load_function(cubin: str, name: str) -> int:
+    """The CUfunction `name` of the cubin file, loaded (once per file) into the current context."""
+    lib = _lib()
+    with _lock:
+        modules = _state["modules"]
+        if cubin not in modules:
+            mod = ctypes.c_void_p()
+            _check(lib.cuModuleLoad(ctypes.byref(mod), cubin.encode()), f"cuModuleLoad {cubin}")
+            modules[cubin] = mod
+        fn = ctypes.c_void_p()
+        _check(lib.cuModuleGetFunction(ctypes.byref(fn), modules[cubin], name.encode()), f"cuModuleGetFunction {name}")
+        return fn.value
+
+
+def set_max_dynamic_shared(fn: int, nbytes: int) -> None:
+    _check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+           "cuFuncSetAttribute")
+
+
+class ProgrammaticLauncher:
+    """Launches one kernel with the programmatic-stream-serialization attribute set.
+
+    The config, attribute, argument buffer and `extra` array are made once and refilled per launch (the
+    driver copies the arguments during the call), so a launch costs one pack_into and one ctypes call."""
+
+    def __init__(self, fn: int, name: str, signature: str):
+        self.fn = fn
+        self.name = name
+        self.signature = signature
+        self._lib = _lib()
+        self._fmt = struct.Struct(arg_format(signature))
+        self._buf = ctypes.create_string_buffer(max(self._fmt.size, 1))
+        self._size = ctypes.c_size_t(self._fmt.size)
+        self._extra = (ctypes.c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self._buf),
+                                            CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self._size),
+                                            CU_LAUNCH_PARAM_END)
+        self._attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._cfg = LaunchConfig(attrs=ctypes.pointer(self._attr), numAttrs=1)
+        self._cfg_ref = ctypes.byref(self._cfg)
+        self._call_lock = threading.Lock()  # the buffers are shared between calls
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, shared: int,
+                 args: list) -> None:
+        with self._call_lock:
+            self._fmt.pack_into(self._buf, 0, *args)
+            c = self._cfg
+            c.gridDimX, c.gridDimY, c.gridDimZ = grid
+            c.blockDimX, c.blockDimY, c.blockDimZ = block
+            c.sharedMemBytes = shared
+            c.hStream = stream
+            rc = self._lib.cuLaunchKernelEx(self._cfg_ref, self.fn, None, self._extra)
+        if rc != 0:
+            _check(rc, f"kernel {self.name} grid={grid} block={block}")

@@ -1,0 +1,108 @@
+"""Programmatic dependent launch on the CPU side: the ctypes structs match cuda.h, arguments pack as the
+kernels expect, `build.programmatic()` scopes correctly, and every kernel waits before it reads."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+
+import pytest
+
+from kernels_cu import build, launch_ex
+from kernels_cu.build import KERNEL_DIR
+
+
+def test_structs_have_cuda_h_layout():
+    # sizeof / offsetof printed by a C program compiled against CUDA 13.0's cuda.h
+    A, C = launch_ex.LaunchAttribute, launch_ex.LaunchConfig
+    assert (ctypes.sizeof(A), A.value.offset) == (72, 8)
+    assert (ctypes.sizeof(C), C.hStream.offset, C.attrs.offset, C.numAttrs.offset) == (56, 32, 40, 48)
+
+
+def test_arguments_pack_with_c_alignment():
+    # (void*, int, void*): the second pointer starts at 16, after 4 bytes of padding
+    buf = launch_ex.pack_args("PiP", [0x1122334455667788, -5, 7])
+    assert len(buf) == 24
+    assert struct.unpack_from("<Q", buf, 0)[0] == 0x1122334455667788
+    assert struct.unpack_from("<i", buf, 8)[0] == -5
+    assert struct.unpack_from("<Q", buf, 16)[0] == 7
+    # the rmsnorm entry (PPPPPPPif): the trailing float sits right after the int
+    buf = launch_ex.pack_args("PPPPPPPif", [1, 2, 3, 4, 5, 6, 7, 4096, 1e-5])
+    assert len(buf) == 64 and struct.unpack_from("<f", buf, 60)[0] == pytest.approx(1e-5)
+
+
+def test_programmatic_scope_nests_and_unwinds(monkeypatch):
+    monkeypatch.setenv("FLLAMA_PDL", "0")  # off: answers without asking the (absent) GPU
+    assert not build.programmatic_active()
+    with build.programmatic():
+        with build.programmatic():
+            pass
+        assert build._local.depth == 1
+    assert build._local.depth == 0
+    with pytest.raises(RuntimeError):
+        with build.programmatic():
+            raise RuntimeError("boom")
+    assert build._local.depth == 0
+
+
+def _entries(text: str):
+    """(entry text, body) of every extern "C" __global__ function, macro continuations removed."""
+    text = text.replace("\\\n", "\n")
+    for m in re.finditer(r'extern "C" __global__', text):
+        open_ = text.index("{", text.index(")", m.end()))
+        depth, i = 0, open_
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        yield text[m.start():open_], text[open_:i + 1]
+
+
+def test_every_kernel_waits_for_the_previous_grid():
+    """A kernel launched programmatically that reads before griddepcontrol.wait would race: each entry calls
+    pdl_enter(), or a device function that calls pdl_wait() (the GEMVs, after their first weight loads)."""
+    files = sorted(KERNEL_DIR.glob("*.cu"))
+    assert len(files) >= 10
+    n = 0
+    for f in files:
+        text = f.read_text()
+        for head, body in _entries(text):
+            n += 1
+            if re.search(r"pdl_(enter\w*|wait)\(\);", body):
+                continue
+            called = re.search(r"(\w+)\s*<[^;]*>\s*\(", body)
+            assert called, f"{f.name}: {head[:80]} neither waits nor calls a template"
+            fn = called.group(1)
+            definition = re.search(rf"void {fn}\s*\(.*?\n}}\n", text, re.S)
+            waits = definition and re.search(r"pdl_(wait|enter)\(\);", definition.group(0))
+            assert waits, f"{f.name}: {fn} never calls pdl_wait()"
+    assert n >= 18
+
+
+def test_launcher_fills_config_attribute_and_argument_buffer(monkeypatch):
+    seen = []
+
+    class FakeDriver:
+        def cuLaunchKernelEx(self, cfg_ref, fn, params, extra):
+            cfg = cfg_ref._obj
+            attr = cfg.attrs[0]
+            size = ctypes.c_size_t.from_address(extra[3]).value
+            seen.append(dict(grid=(cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), block=(cfg.blockDimX, cfg.blockDimY,
+                             cfg.blockDimZ), shared=cfg.sharedMemBytes, stream=cfg.hStream, n_attrs=cfg.numAttrs,
+                             attr=(attr.id, attr.value), fn=fn, params=params, keys=(extra[0], extra[2], extra[4]),
+                             args=ctypes.string_at(extra[1], size)))
+            return 0
+
+    monkeypatch.setattr(launch_ex, "_lib", lambda: FakeDriver())
+    launch = launch_ex.ProgrammaticLauncher(0xF00, "k", "PiPf")
+    launch((3, 2, 1), (128, 1, 1), 0xABC, 4096, [0x1000, 7, 0x2000, 0.5])
+    launch((5, 1, 1), (256, 1, 1), 0xABC, 0, [0x3000, -1, 0, 2.0])  # buffers are refilled, not appended
+    first, second = seen
+    assert first["grid"] == (3, 2, 1) and first["block"] == (128, 1, 1) and first["shared"] == 4096
+    assert first["stream"] == 0xABC and first["fn"] == 0xF00 and first["params"] is None
+    assert first["n_attrs"] == 1 and first["attr"] == (launch_ex.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert first["keys"] == (launch_ex.CU_LAUNCH_PARAM_BUFFER_POINTER, launch_ex.CU_LAUNCH_PARAM_BUFFER_SIZE, None)
+    assert first["args"] == struct.pack("@PiPf", 0x1000, 7, 0x2000, 0.5)
+    assert second["grid"] == (5, 1, 1) and second["args"] == struct.pack("@PiPf", 0x3000, -1, 0, 2.0)
