@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -41,6 +42,7 @@ def bench_cmd(
     repeat: Annotated[int, typer.Option("--repeat", help="Repeats (medians and p90 are over them).")] = 3,
     group_size: Annotated[int, typer.Option("--group-size", help="AWQ group size for random weights.")] = 128,
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown to this file.")] = None,
+    pdl: Annotated[Optional[bool], typer.Option("--pdl/--no-pdl", help="Programmatic dependent launch on Hopper (each kernel starts while the previous one finishes; on unless FLLAMA_PDL=0); --no-pdl to compare.")] = None,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     json_out: JsonOpt = False,
@@ -49,11 +51,13 @@ def bench_cmd(
     token, decode tokens/s, ms per token (median, p90), effective GB/s and % of the measured bandwidth, peak
     memory, and the same shapes under torch.compile as the baseline."""
     from kernels_cu.bench import SCHEMES, BenchConfig, bench_baseline, bench_engine, copy_bandwidth, random_weights
-    from kernels_cu.build import device_info, require_cuda
+    from kernels_cu.build import device_info, pdl_supported, require_cuda
 
     if not torch.cuda.is_available():
         raise DeviceError("fllama bench needs an NVIDIA GPU (none is visible to PyTorch)")
     require_cuda()
+    if pdl is not None:
+        os.environ["FLLAMA_PDL"] = "1" if pdl else "0"  # read by kernels_cu.build at each launch
     source = model_opt or model
     schemes = tuple(s.strip() for s in scheme.split(",") if s.strip())
     for s in schemes:
@@ -108,7 +112,8 @@ def bench_cmd(
             r["speedup_prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
     meta = {"gpu": info["name"], "driver": info.get("driver_version"), "date": datetime.date.today().isoformat(),
             "model": source or "llama2-7b", "random": random, "copy_bandwidth_tb_s": bw / 1e12,
-            "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows}
+            "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows,
+            "programmatic_launch": pdl_supported()}
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:
@@ -140,7 +145,8 @@ def _cells(r: dict) -> list[str]:
 
 def _table(rows: list[dict], meta: dict) -> Table:
     t = Table(title=f"fllama bench · {meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · "
-                    f"copy {meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} gen {meta['gen_len']}")
+                    f"copy {meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} gen {meta['gen_len']} · "
+                    f"PDL {'on' if meta['programmatic_launch'] else 'off'}")
     for _, title, _ in COLUMNS:
         t.add_column(title, justify="right")
     for r in rows:
@@ -156,6 +162,6 @@ def _markdown(rows: list[dict], meta: dict) -> str:
                    f"{v.get('compile_s', 0):.0f} |\n" for b, v in meta["baseline"].items())
     return (f"{meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · copy bandwidth "
             f"{meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} · gen {meta['gen_len']} · "
-            f"repeat {meta['repeat']}\n\n" + head + body +
+            f"repeat {meta['repeat']} · programmatic launch {'on' if meta['programmatic_launch'] else 'off'}\n\n" + head + body +
             ("\nBaseline (torch.compile, mode=reduce-overhead, fp16):\n\n| batch | prefill tok/s | decode tok/s | "
              "ms/step | compile s |\n|---|---|---|---|---|\n" + base if base else ""))

@@ -15,6 +15,14 @@ for step in "$@"; do
       done ;;
     final) timeout 200 python -m pytest -m gpu tests/gpu/test_sampling.py tests/gpu/test_engine.py tests/gpu/test_awq_gemm.py tests/gpu/test_attention.py tests/gpu/test_build.py -q -p no:cacheprovider 2>&1 | tail -n 4
       timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4 ;;
+    pdl) timeout 200 python -m pytest -m gpu tests/gpu/test_pdl.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
+    benchpdl)  # decode without programmatic dependent launch, then with each trigger point (common.cuh), no baseline
+      for v in ${PDL_VARIANTS:-none 0 1 2 3}; do echo "== PDL trigger $v"
+        if [ $v = none ]; then p=--no-pdl; else p=--pdl; fi
+        FLLAMA_NVCC_FLAGS="-DFLLAMA_PDL_TRIGGER=${v/none/3}" timeout 200 python -m fllama_cli.main bench --model llama2-7b \
+          --random --scheme fp16,int8,awq --batch 1,8,32 --prompt-len 512 --gen-len 128 --repeat 3 --baseline none $p \
+          --markdown "$out/pdl_$v.md" > /dev/null 2>&1; grep -E "^\| (fp16|int8|awq)" "$out/pdl_$v.md" | cut -d"|" -f2,3,4,6,7
+      done ;;
     awqtests) timeout 300 python -m pytest -m gpu tests/gpu/test_awq_gemv.py tests/gpu/test_engine.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
     microawq) timeout 200 python -m kernels_cu.microbench --only awq --ms 1,8,16,32 2>&1 | tail -n 40 ;;
     microdq) timeout 100 python -m kernels_cu.microbench --only dequant 2>&1 | tail -n 10 ;;
