@@ -10,8 +10,7 @@ from typing import Callable
 import torch
 
 from calibrate.awq import AwqConfig, apply_awq, check_group_size, search_layer
-from calibrate.calibration import DataConfig, calibration_windows
-from calibrate.capture import CaptureConfig, LayerwiseRunner, capture_stats
+from calibrate.capture import CaptureConfig, LayerwiseRunner
 from calibrate.int8 import ActQuant
 from calibrate.methods import CalibConfig, CalibMethod
 from calibrate.ranges import compute_amax
@@ -20,7 +19,7 @@ from calibrate.stats import CalibStats, PointStats
 from model_zoo.errors import ConfigError
 from model_zoo.formats import Scheme, amax_as_stored, awq_quantization_config, int8_quantization_config
 from model_zoo.quantized_linear import AwqLinear, Int8Linear
-from model_zoo.weights import LayerWeights, ModelWeights
+from model_zoo.weights import ModelWeights
 
 # which capture point feeds each linear
 POINT_OF = {"wq": "qkv", "wk": "qkv", "wv": "qkv", "wo": "o", "w_gate": "gate_up", "w_up": "gate_up",

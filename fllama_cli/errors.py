@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Callable, NoReturn
 
 from rich.console import Console
