@@ -278,14 +278,14 @@ def programmatic_active() -> bool:
 class KernelFunction:
     """A compiled kernel with a declared argument signature, launched async on fllama's stream."""
 
-    def __init__(self, fn, name: str, signature: str, cubin: str | None = None):
+    def __init__(self, fn, name: str, signature: str, cubin: str):
         bad = set(signature) - SIGNATURE_CODES
         if bad:
             raise ValueError(f"{name}: unknown signature codes {sorted(bad)} (use {''.join(sorted(SIGNATURE_CODES))})")
         self._fn = fn.prepare(signature)
         self.name = name
         self.signature = signature
-        self._cubin = cubin
+        self._cubin = cubin  # loaded a second time by launch_ex for programmatic launches
         self._ex = None  # launch_ex.ProgrammaticLauncher, made on the first programmatic launch
         self.programmatic_launches = 0
         self._stream = stream()
@@ -305,13 +305,15 @@ class KernelFunction:
             import pycuda.driver as drv
             self._fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
             self._max_dynamic_shared = shared
-        if self._cubin is not None and programmatic_active():
-            self._launch_ex(_dim3(grid), _dim3(block), packed, shared)
-            return
         try:
-            self._fn.prepared_async_call(_dim3(grid), _dim3(block), self._stream, *packed, shared_size=shared)
+            if programmatic_active():
+                self._launch_ex(_dim3(grid), _dim3(block), packed, shared)
+            else:
+                self._fn.prepared_async_call(_dim3(grid), _dim3(block), self._stream, *packed, shared_size=shared)
             if self._sync_each:
                 self._stream.synchronize()
+        except DeviceError:  # launch_ex's, already naming the kernel
+            raise
         except Exception as e:  # pycuda.driver.LaunchError / LogicError
             raise DeviceError(f"kernel {self.name} grid={grid} block={block}: {_one_line(e)}") from None
 
@@ -321,16 +323,11 @@ class KernelFunction:
         if self._ex is None:
             self._ex = launch_ex.ProgrammaticLauncher(launch_ex.load_function(self._cubin, self.name),
                                                       self.name, self.signature)
-        if shared > self._ex_max_dynamic_shared:
+        if shared > self._ex_max_dynamic_shared:  # the attribute belongs to each function handle
             launch_ex.set_max_dynamic_shared(self._ex.fn, shared)
             self._ex_max_dynamic_shared = shared
         self._ex(grid, block, self._stream_handle, shared, packed)
         self.programmatic_launches += 1
-        if self._sync_each:
-            try:
-                self._stream.synchronize()
-            except Exception as e:
-                raise DeviceError(f"kernel {self.name} grid={grid} block={block}: {_one_line(e)}") from None
 
     @property
     def num_regs(self) -> int:

@@ -48,10 +48,6 @@ def arg_format(signature: str) -> str:
     return "@" + signature
 
 
-def pack_args(signature: str, args: list) -> bytes:
-    return struct.pack(arg_format(signature), *args)
-
-
 _lock = threading.Lock()
 _state: dict = {}
 

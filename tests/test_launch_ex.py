@@ -22,13 +22,13 @@ def test_structs_have_cuda_h_layout():
 
 def test_arguments_pack_with_c_alignment():
     # (void*, int, void*): the second pointer starts at 16, after 4 bytes of padding
-    buf = launch_ex.pack_args("PiP", [0x1122334455667788, -5, 7])
+    buf = struct.pack(launch_ex.arg_format("PiP"), 0x1122334455667788, -5, 7)
     assert len(buf) == 24
     assert struct.unpack_from("<Q", buf, 0)[0] == 0x1122334455667788
     assert struct.unpack_from("<i", buf, 8)[0] == -5
     assert struct.unpack_from("<Q", buf, 16)[0] == 7
     # the rmsnorm entry (PPPPPPPif): the trailing float sits right after the int
-    buf = launch_ex.pack_args("PPPPPPPif", [1, 2, 3, 4, 5, 6, 7, 4096, 1e-5])
+    buf = struct.pack(launch_ex.arg_format("PPPPPPPif"), 1, 2, 3, 4, 5, 6, 7, 4096, 1e-5)
     assert len(buf) == 64 and struct.unpack_from("<f", buf, 60)[0] == pytest.approx(1e-5)
 
 
@@ -60,6 +60,20 @@ def _entries(text: str):
         yield text[m.start():open_], text[open_:i + 1]
 
 
+_WAITS = re.compile(r"pdl_(enter\w*|wait)\(\);")
+
+
+def _waits(body: str, text: str, depth: int = 2) -> bool:
+    """The body calls pdl_wait / pdl_enter*, itself or in a template function it calls (depth levels down)."""
+    if _WAITS.search(body):
+        return True
+    for fn in re.findall(r"(\w+)\s*<[^;(]*>\s*\(", body) if depth else []:
+        definition = re.search(rf"void {fn}\s*\(.*?\n}}\n", text, re.S)
+        if definition and _waits(definition.group(0), text, depth - 1):
+            return True
+    return False
+
+
 def test_every_kernel_waits_for_the_previous_grid():
     """A kernel launched programmatically that reads before griddepcontrol.wait would race: each entry calls
     pdl_enter(), or a device function that calls pdl_wait() (the GEMVs, after their first weight loads)."""
@@ -67,17 +81,10 @@ def test_every_kernel_waits_for_the_previous_grid():
     assert len(files) >= 10
     n = 0
     for f in files:
-        text = f.read_text()
-        for head, body in _entries(text):
+        text = build.source_text(f.name)  # with the headers it includes
+        for head, body in _entries(f.read_text()):
             n += 1
-            if re.search(r"pdl_(enter\w*|wait)\(\);", body):
-                continue
-            called = re.search(r"(\w+)\s*<[^;]*>\s*\(", body)
-            assert called, f"{f.name}: {head[:80]} neither waits nor calls a template"
-            fn = called.group(1)
-            definition = re.search(rf"void {fn}\s*\(.*?\n}}\n", text, re.S)
-            waits = definition and re.search(r"pdl_(wait|enter)\(\);", definition.group(0))
-            assert waits, f"{f.name}: {fn} never calls pdl_wait()"
+            assert _waits(body, text), f"{f.name}: {head[:80]} never calls pdl_wait()"
     assert n >= 18
 
 
