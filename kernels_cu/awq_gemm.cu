@@ -14,7 +14,6 @@
 //   order (deterministic, no atomics). grid (ceil(N / 256), splits, ceil(M / (8 * MT))), block 128.
 // awq_reduce[_res]: partials -> fp16 y (+ residual); 4 columns per thread.
 // awq_dequant: w_hat [K, N] fp16 for the prefill path (then a cuBLAS fp16 GEMM); same arithmetic.
-#include "common.cuh"
 #include "gemm_common.cuh"
 
 using namespace fllama;

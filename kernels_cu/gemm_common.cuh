@@ -14,6 +14,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "common.cuh"
+
 namespace fllama {
 
 // Loads with a guard folded into the instruction (zero when !ok): no branches, so the scheduler keeps
@@ -208,6 +210,64 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
     const __half2 bias = bits_h2(0x64806480u);
     lo = h2_bits(__hsub2(bits_h2(prmt(u, 0x64646464u, 0x4140)), bias));  // bytes 0, 1
     hi = h2_bits(__hsub2(bits_h2(prmt(u, 0x64646464u, 0x4342)), bias));  // bytes 2, 3
+}
+
+// ---- the fp16 / int8 decode GEMV main loop ---------------------------------------------------------
+// Block = WARPS warps on 16 output channels (rows g and g + 8), the warps splitting K in steps of UNROLL
+// tiles of TILE_K. Per tile a lane loads 16 bytes of weight rows g and g + 8 (w_lo / w_hi already point at
+// the lane's offset lane_k in the row) and 16 bytes of each of its MT token rows, and
+// mma(acc[mt], a0, a1, a2, a3, b0, b1) takes the two k-halves of them (a0/a2 = words 0-1 of row g, then 2-3).
+// K % (16 bytes of T) == 0: a lane's 16 bytes are all in or all out. Loads are software-pipelined one step
+// ahead (ptxas would otherwise sink each load next to its mma and keep only a quarter of them in flight);
+// the first step's weights depend on no earlier kernel and are in flight before pdl_wait().
+template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, typename Mma>
+__device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool lo_ok, bool hi_ok,
+                                              const T* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
+                                              int lane_k, int warp, Acc (&acc)[MT][4], Mma mma) {
+    const int tiles = (K + TILE_K - 1) / TILE_K;
+    uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
+    auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (base + u) * TILE_K;
+            const bool k_ok = k + lane_k < K;
+            l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
+            h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
+        }
+    };
+    auto load_x = [&](int base, uint4 (&xs)[UNROLL][MT]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = (base + u) * TILE_K;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k + lane_k < K && x_ok[mt]);
+        }
+    };
+    load_w(warp * UNROLL, wl, wh);
+    pdl_wait();
+    pdl_gemv_started();
+    load_x(warp * UNROLL, xv);
+    for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
+        uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
+        load_w(base + WARPS * UNROLL, nl, nh);  // past the end: all guards false, no traffic
+        load_x(base + WARPS * UNROLL, nx);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    mma(acc[mt], word(wl[u], 2 * s), word(wh[u], 2 * s), word(wl[u], 2 * s + 1), word(wh[u], 2 * s + 1),
+                        word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            wl[u] = nl[u];
+            wh[u] = nh[u];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xv[u][mt] = nx[u][mt];
+        }
+    }
+    pdl_gemv_streamed();
 }
 
 }  // namespace fllama

@@ -11,7 +11,6 @@
 //   grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
-#include "common.cuh"
 #include "gemm_common.cuh"
 
 using namespace fllama;
@@ -53,54 +52,10 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][r] = 0;
 
-    // Software pipeline: the loads of the next step are issued before the mma of this one (ptxas would
-    // otherwise sink each load next to its mma and keep only a quarter of them in flight).
-    const int tiles = (K + TILE_K - 1) / TILE_K;
-    uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
-    auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = (base + u) * TILE_K;
-            const bool k_ok = k + 16 * t < K;  // K % 16 == 0: a lane's 16 bytes are all in or all out
-            l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
-            h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
-        }
-    };
-    auto load_x = [&](int base, uint4 (&xs)[UNROLL][MT]) {
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = (base + u) * TILE_K;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k + 16 * t < K && x_ok[mt]);
-        }
-    };
-    // The first step's weights do not depend on the previous kernel: they are in flight before the wait.
-    load_w(warp * UNROLL, wl, wh);
-    pdl_wait();
-    pdl_gemv_started();
-    load_x(warp * UNROLL, xv);
-    for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
-        uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
-        load_w(base + WARPS * UNROLL, nl, nh);
-        load_x(base + WARPS * UNROLL, nx);  // past the end: all guards false, no traffic
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-            for (int s = 0; s < 2; ++s)
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    mma_s8_16832(acc[mt], word(wl[u], 2 * s), word(wh[u], 2 * s), word(wl[u], 2 * s + 1),
-                                 word(wh[u], 2 * s + 1), word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            wl[u] = nl[u];
-            wh[u] = nh[u];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xv[u][mt] = nx[u][mt];
-        }
-    }
+    gemv_mainloop<WARPS, UNROLL, TILE_K>(w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 16 * t, warp, acc,
+                                         [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                            uint32_t b1) { mma_s8_16832(c, a0, a1, a2, a3, b0, b1); });
 
-    pdl_gemv_streamed();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
