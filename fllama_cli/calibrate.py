@@ -19,7 +19,7 @@ from calibrate.calibration import DataConfig, calibrate_model, range_report
 from calibrate.capture import CaptureConfig
 from calibrate.methods import CalibConfig, parse_methods
 from calibrate.stats import CalibStats
-from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
+from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
 from model_zoo.errors import ConfigError, FllamaError
 from model_zoo.text_sources import SOURCES
 
@@ -34,7 +34,7 @@ def calibrate_cmd(
     bins: Annotated[int, typer.Option("--bins", help="Histogram bins (>= 128).")] = 2048,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the statistics here (safetensors).")] = None,
     from_stats: Annotated[Optional[Path], typer.Option("--from-stats", help="Recompute ranges from a saved stats file; runs no model.")] = None,
-    batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass.")] = 8,
+    batch: WindowBatchOpt = 8,
     device: DeviceOpt = DeviceChoice.auto,
     random: RandomOpt = False,
     seed: SeedOpt = None,

@@ -25,4 +25,5 @@ RandomOpt = Annotated[bool, typer.Option("--random", help="Seeded random weights
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed (sampling and --random weights).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
+WindowBatchOpt = Annotated[int, typer.Option("--batch", help="Windows per forward pass.")]
 KvInt8Opt = Annotated[bool, typer.Option("--kv-int8", help="GPU engine: int8 KV cache (a scale per row, head and position).")]

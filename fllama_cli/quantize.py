@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calibrate.int8 import ActQuant
 from calibrate.methods import CalibMethod
 from calibrate.quantize import AwqMethod, QuantConfig
-from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
+from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
 from model_zoo.errors import ConfigError, FllamaError
 from model_zoo.formats import Scheme
 
@@ -34,7 +34,7 @@ def quantize_cmd(
     data: Annotated[Optional[str], typer.Option("--data", help="Calibration text for the AWQ search or re-capture (default: the stats' source, else gutenberg:history).")] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", help="Windows of calibration text (default: the stats', else 128).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window (default: the stats', else 512).")] = None,
-    batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass.")] = 8,
+    batch: WindowBatchOpt = 8,
     device: DeviceOpt = DeviceChoice.auto,
     random: RandomOpt = False,
     seed: SeedOpt = None,
