@@ -72,8 +72,12 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     bool x_ok[MT];
     const __half* x_row[MT];
     token_rows<MT>(x, M, K, m0, g, t * (GS / 4), x_ok, x_row);
-    const uint32_t* wp = packed + (size_t)panel * tiles * TILE_WORDS + lane * 4;
-    const uint32_t* tp = terms + ((size_t)panel * tiles * GPT * 8 + g) * 2;
+    // This warp's first tile (tile `warp` of the panel): every load of a step is step base + immediate.
+    const uint32_t* wq = packed + ((size_t)panel * tiles + warp) * TILE_WORDS + lane * 4;
+    const uint32_t* tq = terms + ((size_t)panel * tiles * GPT * 8 + g) * 2 + warp * GPT * 16;
+    const __half* xq[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xq[mt] = x_row[mt] + warp * TILE_K;
 
     float acc[MT][4];
 #pragma unroll
@@ -85,47 +89,40 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     // next step are issued before this step's math (software pipeline, as in fp16_gemv.cu), so a warp
     // keeps U KB of weights in flight; activations (L1/L2 hits after the first warp) are loaded at the
     // start of their step, which keeps the registers for three resident blocks per SM.
+    // At M <= 8 the kernel is bound by instruction issue (ncu: docs/gpu.md), so the steps that lie wholly
+    // inside K (all but at most the last) run without guards, zero fills or per-load address arithmetic;
+    // only the last step (tiles past the end, k's past K) is guarded.
+    constexpr int STEP = U * WARPS;
+    const int full_steps = K / (STEP * TILE_K);
     struct Step {
         uint4 w[U][2];
         uint2 tm[U][GPT];
     };
-    auto load = [&](int base, Step& s) {
+    auto load_full = [&](const uint32_t* w, const uint32_t* tm, Step& s) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int tile = base + u * WARPS + warp;
-            const bool ok = tile < tiles;
-            const uint32_t* w = wp + (size_t)(ok ? tile : 0) * TILE_WORDS;
-            s.w[u][0] = ld_stream(w, ok);
-            s.w[u][1] = ld_stream(w + 128, ok);
+            s.w[u][0] = ld_stream_always(w + u * WARPS * TILE_WORDS);
+            s.w[u][1] = ld_stream_always(w + u * WARPS * TILE_WORDS + 128);
 #pragma unroll
-            for (int q = 0; q < GPT; ++q) s.tm[u][q] = ld_cached8(tp + (size_t)((ok ? tile : 0) * GPT + q) * 16, ok);
+            for (int q = 0; q < GPT; ++q) s.tm[u][q] = ld_cached8_always(tm + (u * WARPS * GPT + q) * 16);
         }
     };
-
-    Step cur, nxt;
-    load(0, cur);  // weights and terms do not depend on the previous kernel: in flight before the wait
-    pdl_wait();
-    pdl_gemv_started();
-    for (int base = 0; base < tiles; base += U * WARPS) {
-        load(base + U * WARPS, nxt);
-        uint4 xv[U][MT][4];
+    auto load_last = [&](int base, const uint32_t* w, const uint32_t* tm, Step& s) {  // tiles past the end: zeros
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int tile = base + u * WARPS + warp;
+            const bool ok = base + u * WARPS + warp < tiles;
+            s.w[u][0] = ld_stream(w + u * WARPS * TILE_WORDS, ok);
+            s.w[u][1] = ld_stream(w + u * WARPS * TILE_WORDS + 128, ok);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int k = tile * TILE_K + (i / UPG) * GS + (i % UPG) * 8;  // + t * GS / 4 in x_row
-                    // K % 8 == 0 and the run is 8-aligned: a 16-byte load is all in or all out
-                    xv[u][mt][i] = ld_cached(x_row[mt] + k, tile < tiles && x_ok[mt] && k + t * (GS / 4) < K);
-                }
+            for (int q = 0; q < GPT; ++q) s.tm[u][q] = ld_cached8(tm + (u * WARPS * GPT + q) * 16, ok);
         }
+    };
+    auto compute = [&](const Step& c, const uint4 (&xv)[U][MT][4]) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
 #pragma unroll
             for (int q = 0; q < GPT; ++q) {
-                const Terms tm = make_terms(cur.tm[u][q]);
+                const Terms tm = make_terms(c.tm[u][q]);
                 float tmp[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -137,15 +134,15 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
                     uint32_t a[4];               // a0 row g (e0, e1), a1 row g+8, a2 row g (e2, e3), a3 row g+8
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        const uint32_t wd = word(cur.w[u][h], j >> 1) >> ((j & 1) * 8);
+                        const uint32_t wd = word(c.w[u][h], j >> 1) >> ((j & 1) * 8);
                         a[h] = h2_bits(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), tm.zlo[h]));
                         a[2 + h] = h2_bits(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
                                                    bits_h2(FP16_ONE_SIXTEENTH), tm.zhi[h]));
                     }
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        const uint4& xq = xv[u][mt][j >> 1];
-                        mma_f16_16816(tmp[mt], a[0], a[1], a[2], a[3], word(xq, 2 * (j & 1)), word(xq, 2 * (j & 1) + 1));
+                        const uint4& xw = xv[u][mt][j >> 1];
+                        mma_f16_16816(tmp[mt], a[0], a[1], a[2], a[3], word(xw, 2 * (j & 1)), word(xw, 2 * (j & 1) + 1));
                     }
                 }
 #pragma unroll
@@ -157,7 +154,61 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
                 }
             }
         }
-        cur = nxt;
+    };
+    // x offset of load i of a tile (from the lane's run start): group run i / UPG, 16-byte piece i % UPG
+    auto x_off = [](int i) { return (i / UPG) * GS + (i % UPG) * 8; };
+
+    // One full step: the next step's weights and terms (full or the guarded last one), this step's
+    // activations (L1/L2 hits after the first warp), its math.
+    auto full_step = [&](int s, const Step& c, Step& n) {
+        if (s + 1 < full_steps) load_full(wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
+        else load_last((s + 1) * STEP, wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
+        uint4 xv[U][MT][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)  // rows past M read row 0 (token_rows): columns nobody writes out
+                    xv[u][mt][i] = ld_cached_always(xq[mt] + u * WARPS * TILE_K + x_off(i));
+        compute(c, xv);
+        wq += STEP * TILE_WORDS;
+        tq += STEP * GPT * 16;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) xq[mt] += STEP * TILE_K;
+    };
+    auto last_step = [&](const Step& c) {  // k's past K read as zeros (their weights are zero padding)
+        const int base = full_steps * STEP;
+        uint4 xv[U][MT][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int k = (base + u * WARPS + warp) * TILE_K + t * (GS / 4) + x_off(i);
+                    xv[u][mt][i] = ld_cached(xq[mt] + u * WARPS * TILE_K + x_off(i), k < K && x_ok[mt]);
+                }
+        compute(c, xv);
+    };
+
+    // Two step buffers used in turn (copying one into the other would cost 40 moves per step).
+    Step sa, sb;
+    // weights and terms do not depend on the previous kernel: in flight before the wait
+    if (full_steps > 0) load_full(wq, tq, sa);
+    else load_last(0, wq, tq, sa);
+    pdl_wait();
+    pdl_gemv_started();
+    int s = 0;
+    for (; s + 1 < full_steps; s += 2) {
+        full_step(s, sa, sb);
+        full_step(s + 1, sb, sa);
+    }
+    const bool in_b = s < full_steps;  // an odd number of full steps: one more, and the last one lands in sb
+    if (in_b) full_step(s, sa, sb);
+    if (full_steps * STEP < tiles) {
+        if (in_b) last_step(sb);
+        else last_step(sa);
     }
 
     pdl_gemv_streamed();
@@ -253,8 +304,9 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
 #define FLLAMA_AWQ_GEMV_GROUPS(MT, U) \
     FLLAMA_AWQ_GEMV_EPIS(MT, 1, U) FLLAMA_AWQ_GEMV_EPIS(MT, 2, U) FLLAMA_AWQ_GEMV_EPIS(MT, 4, U)
 
-// Registers bound the tiles in flight: U = 4 / 2 / 1 for 8 / 16 / 32 tokens per block.
-FLLAMA_AWQ_GEMV_GROUPS(1, 4)
+// Registers bound the tiles in flight: U = 4 / 2 / 1 for 8 / 16 / 32 tokens per block; at 8 tokens, 3 for groups
+// of 64 and 2 for groups of 32, whose terms take 4 / 8 registers per tile (U = 4 spills there).
+FLLAMA_AWQ_GEMV_EPIS(1, 1, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3) FLLAMA_AWQ_GEMV_EPIS(1, 4, 2)
 FLLAMA_AWQ_GEMV_GROUPS(2, 2)
 FLLAMA_AWQ_GEMV_GROUPS(4, 1)
 

@@ -78,6 +78,26 @@ __device__ __forceinline__ uint2 ld_cached8(const void* p, bool ok) {
     return v;
 }
 
+// Unguarded and unfilled forms, for steps known to lie inside the operand (no predicate, no zero moves:
+// the AWQ GEMV is issue-bound, and these were a third of its instructions).
+__device__ __forceinline__ uint4 ld_stream_always(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ld_cached8_always(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 ld_cached_always(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 // cp.async: 16 bytes global -> shared without a register round trip, so a warp keeps several tiles in
 // flight while it computes. .cg skips L1 (weights are read once); src-size 0 writes zeros (ok false).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {

@@ -22,9 +22,10 @@ from kernels_cu.swiglu_layout import gate_up_order  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# (K, N, G): SmolLM2 (hidden 576: K padded to 640, groups of 64 / 192 / 32), LLaMA-2-7B with 128, odd tiles
+# (K, N, G): SmolLM2 (hidden 576: K padded to 640, groups of 64 / 192 / 32), LLaMA-2-7B with 128, odd tiles,
+# one whole step (2048)
 SHAPES = [(576, 1536, 64), (1536, 576, 32), (576, 576, 192), (4096, 4096, 128), (4096, 12288, 128),
-          (11008, 4096, 128), (4096, 1024, 32), (11008, 1024, 64)]
+          (11008, 4096, 128), (4096, 1024, 32), (11008, 1024, 64), (2048, 2048, 128)]
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
