@@ -49,8 +49,20 @@ for step in "$@"; do
         --batch 1 --prompt-len 2048 --gen-len 32 --repeat 5 --markdown "$out/prefill2k.md" 2>&1 | tail -n 12 ;;
     bench70b) timeout 300 python -m fllama_cli.main bench --model llama2-70b --random --scheme awq --batch 1,8 \
         --prompt-len 512 --gen-len 64 --repeat 2 --baseline none --markdown "$out/bench70b.md" 2>&1 | tail -n 12 ;;
-    profile) for sch in fp16 int8 awq; do timeout 120 python -m kernels_cu.profile_engine --scheme $sch --tokens 2048 --rows 14 2>&1 \
+    profile) for sch in ${PROFILE_SCHEMES:-fp16 int8 awq}; do timeout 120 python -m kernels_cu.profile_engine --scheme $sch --tokens ${PROFILE_TOKENS:-2048} --rows 14 2>&1 \
         | grep -E "^==|Name|cuda|Kernel|kernel|gemm|gemv|attn|Memcpy|elementwise|sm90|Self CUDA time total" | cut -c1-60,100-200 | head -n 40; done ;;
+    ncu)  # Nsight Compute counters of each decode GEMV (kernels_cu/gemv_probe.py), real clocks, L2 flushed per launch
+      timeout 400 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum" \
+        python -m kernels_cu.gemv_probe --ms ${PROBE_MS:-1} --only ${PROBE_ONLY:-awq,int8,fp16} > "$out/ncu.txt" 2>&1
+      grep -E "^  [a-z_0-9]+gemv|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issued Ipc Active|No Eligible|Warp Cycles Per Issued|hmma|pipe_alu|pipe_fma|inst_executed.sum|stalled_(long_scoreboard|math_pipe_throttle|wait|short_scoreboard|barrier|mio_throttle|lg_throttle|not_selected|selected|dispatch_stall|no_instruction|tex_throttle)_" "$out/ncu.txt" \
+        | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//; s/ +/ /g' | head -n 400 ;;
+    ncusrc)  # per-SASS-instruction stall samples of the q|k|v-shaped GEMV (PROBE_ONLY scheme, M = 1)
+      timeout 300 ncu --clock-control none --nvtx --nvtx-include "probe/" -c 1 --section SourceCounters --section WarpStateStats \
+        --page source --print-source sass --csv python -m kernels_cu.gemv_probe --ms 1 --only ${PROBE_ONLY:-awq} > "$out/ncu_src.csv" 2>&1
+      timeout 300 ncu --clock-control none --nvtx --nvtx-include "probe/" -c 1 --section SourceCounters \
+        python -m kernels_cu.gemv_probe --ms 1 --only ${PROBE_ONLY:-awq} 2>&1 | grep -v "^==PROF" | tail -n 60 ;;
     *) ;;
   esac
 done
