@@ -158,37 +158,41 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     // x offset of load i of a tile (from the lane's run start): group run i / UPG, 16-byte piece i % UPG
     auto x_off = [](int i) { return (i / UPG) * GS + (i % UPG) * 8; };
 
-    // One full step: the next step's weights and terms (full or the guarded last one), this step's
-    // activations (L1/L2 hits after the first warp), its math.
-    auto full_step = [&](int s, const Step& c, Step& n) {
-        if (s + 1 < full_steps) load_full(wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
-        else load_last((s + 1) * STEP, wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
-        uint4 xv[U][MT][4];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i)  // rows past M read row 0 (token_rows): columns nobody writes out
-                    xv[u][mt][i] = ld_cached_always(xq[mt] + u * WARPS * TILE_K + x_off(i));
-        compute(c, xv);
-        wq += STEP * TILE_WORDS;
-        tq += STEP * GPT * 16;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) xq[mt] += STEP * TILE_K;
-    };
-    auto last_step = [&](const Step& c) {  // k's past K read as zeros (their weights are zero padding)
-        const int base = full_steps * STEP;
-        uint4 xv[U][MT][4];
+    // A step's activations (L1/L2 hits after the first warp). Full steps: rows past M read row 0 (token_rows),
+    // which only feeds mma columns nobody writes out. The last step: k's past K read as zeros (their weights
+    // are zero padding). `last` is a constant at both call sites.
+    auto load_x = [&](bool last, uint4 (&xv)[U][MT][4]) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int k = (base + u * WARPS + warp) * TILE_K + t * (GS / 4) + x_off(i);
-                    xv[u][mt][i] = ld_cached(xq[mt] + u * WARPS * TILE_K + x_off(i), k < K && x_ok[mt]);
+                    const __half* p = xq[mt] + u * WARPS * TILE_K + x_off(i);
+                    if (!last) {
+                        xv[u][mt][i] = ld_cached_always(p);
+                    } else {
+                        const int k = (full_steps * STEP + u * WARPS + warp) * TILE_K + t * (GS / 4) + x_off(i);
+                        xv[u][mt][i] = ld_cached(p, k < K && x_ok[mt]);
+                    }
                 }
+    };
+    // One full step: the next step's weights and terms (full or the guarded last one), this step's
+    // activations, its math.
+    auto full_step = [&](int s, const Step& c, Step& n) {
+        if (s + 1 < full_steps) load_full(wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
+        else load_last((s + 1) * STEP, wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
+        uint4 xv[U][MT][4];
+        load_x(false, xv);
+        compute(c, xv);
+        wq += STEP * TILE_WORDS;
+        tq += STEP * GPT * 16;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) xq[mt] += STEP * TILE_K;
+    };
+    auto last_step = [&](const Step& c) {
+        uint4 xv[U][MT][4];
+        load_x(true, xv);
         compute(c, xv);
     };
 
