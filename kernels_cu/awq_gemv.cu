@@ -98,23 +98,18 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         uint4 w[U][2];
         uint2 tm[U][GPT];
     };
-    auto load_full = [&](const uint32_t* w, const uint32_t* tm, Step& s) {
+    // A step's weights and terms into s. The last step (`last`, a constant at every call site) reads tiles
+    // past the end as zeros; the others load unguarded, as base + immediates.
+    auto load_w = [&](bool last, int base, const uint32_t* w, const uint32_t* tm, Step& s) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            s.w[u][0] = ld_stream_always(w + u * WARPS * TILE_WORDS);
-            s.w[u][1] = ld_stream_always(w + u * WARPS * TILE_WORDS + 128);
-#pragma unroll
-            for (int q = 0; q < GPT; ++q) s.tm[u][q] = ld_cached8_always(tm + (u * WARPS * GPT + q) * 16);
-        }
-    };
-    auto load_last = [&](int base, const uint32_t* w, const uint32_t* tm, Step& s) {  // tiles past the end: zeros
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
+            const uint32_t* wu = w + u * WARPS * TILE_WORDS;
+            const uint32_t* tu = tm + u * WARPS * GPT * 16;
             const bool ok = base + u * WARPS + warp < tiles;
-            s.w[u][0] = ld_stream(w + u * WARPS * TILE_WORDS, ok);
-            s.w[u][1] = ld_stream(w + u * WARPS * TILE_WORDS + 128, ok);
+            s.w[u][0] = last ? ld_stream(wu, ok) : ld_stream_always(wu);
+            s.w[u][1] = last ? ld_stream(wu + 128, ok) : ld_stream_always(wu + 128);
 #pragma unroll
-            for (int q = 0; q < GPT; ++q) s.tm[u][q] = ld_cached8(tm + (u * WARPS * GPT + q) * 16, ok);
+            for (int q = 0; q < GPT; ++q) s.tm[u][q] = last ? ld_cached8(tu + q * 16, ok) : ld_cached8_always(tu + q * 16);
         }
     };
     auto compute = [&](const Step& c, const uint4 (&xv)[U][MT][4]) {
@@ -180,8 +175,8 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     // One full step: the next step's weights and terms (full or the guarded last one), this step's
     // activations, its math.
     auto full_step = [&](int s, const Step& c, Step& n) {
-        if (s + 1 < full_steps) load_full(wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
-        else load_last((s + 1) * STEP, wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
+        if (s + 1 < full_steps) load_w(false, (s + 1) * STEP, wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
+        else load_w(true, (s + 1) * STEP, wq + STEP * TILE_WORDS, tq + STEP * GPT * 16, n);
         uint4 xv[U][MT][4];
         load_x(false, xv);
         compute(c, xv);
@@ -199,8 +194,8 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     // Two step buffers used in turn (copying one into the other would cost 40 moves per step).
     Step sa, sb;
     // weights and terms do not depend on the previous kernel: in flight before the wait
-    if (full_steps > 0) load_full(wq, tq, sa);
-    else load_last(0, wq, tq, sa);
+    if (full_steps > 0) load_w(false, 0, wq, tq, sa);
+    else load_w(true, 0, wq, tq, sa);
     pdl_wait();
     pdl_gemv_started();
     int s = 0;
