@@ -15,30 +15,26 @@ from typing import Callable
 
 import torch
 
-from kernels_cu.awq_gemv import awq_gemv, pack_for_gemv
+from kernels_cu.awq_gemv import awq_gemv
 from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.microbench import SHAPES_7B, random_awq_packed
 
-SHAPES_7B = [("qkv", 4096, 12288, False), ("o", 4096, 4096, False), ("gate|up", 4096, 22016, True),
-             ("down", 11008, 4096, False)]  # (name, K, N, swiglu epilogue)
+SWIGLU = "gate|up"  # the engine runs this shape with the SwiGLU epilogue (fp16 and awq)
 
 
-def _cases(scheme: str, m: int, k: int, n: int, swiglu: bool) -> Callable[[], object]:
+def _cases(scheme: str, m: int, name: str, k: int, n: int) -> Callable[[], object]:
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     if scheme == "fp16":
         w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        return (lambda: fp16_swiglu(x, w)) if swiglu else (lambda: fp16_gemv(x, w))
+        return (lambda: fp16_swiglu(x, w)) if name == SWIGLU else (lambda: fp16_gemv(x, w))
     if scheme == "int8":
         w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
         ws = torch.rand(n, device="cuda") * 0.01 + 1e-3
         q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda")
         a = torch.rand(m, device="cuda") * 0.01 + 1e-3
         return lambda: int8_gemm(q, a, w8, ws)
-    group = 128
-    qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
-    qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
-    sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
-    p = pack_for_gemv(qw, qz, sc, swiglu=swiglu)
+    p = random_awq_packed(k, n, swiglu=name == SWIGLU)
     return lambda: awq_gemv(x, p)
 
 
@@ -49,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     for scheme in args.only.split(","):
         for m in (int(v) for v in args.ms.split(",")):
-            for name, k, n, swiglu in SHAPES_7B:
-                fn = _cases(scheme, m, k, n, swiglu)
+            for name, k, n in SHAPES_7B:
+                fn = _cases(scheme, m, name, k, n)
                 fn()
                 torch.cuda.synchronize()
                 torch.cuda.nvtx.range_push("probe")

@@ -122,11 +122,17 @@ def bench_awq(m: int, k: int, n: int, bw: float, group: int = 128, splits: int |
     return Row(tag, f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "cuBLAS fp16")
 
 
-def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128) -> Row:
-    """The engine's AWQ path: awq_gemv on the repacked layout (awq_gemv.py)."""
+def random_awq_packed(k: int, n: int, group: int = 128, swiglu: bool = False) -> AwqPacked:
+    """Random int4 codes, zeros and small positive scales, repacked for awq_gemv."""
+    qw = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
     qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
     sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
-    first = pack_for_gemv(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"), qz, sc)
+    return pack_for_gemv(qw, qz, sc, swiglu=swiglu)
+
+
+def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128) -> Row:
+    """The engine's AWQ path: awq_gemv on the repacked layout (awq_gemv.py)."""
+    first = random_awq_packed(k, n, group)
     nbytes_w = first.nbytes()
     nc = copies_for(nbytes_w)
     packs = [first] + [AwqPacked(torch.randint_like(first.packed, -2**31, 2**31 - 1), first.terms, n, k, group,
@@ -148,9 +154,7 @@ def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
 
 
 def bench_awq_packed_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
-    qz = torch.randint(-2**31, 2**31 - 1, (k // group, n // 8), dtype=torch.int32, device="cuda")
-    sc = (torch.rand(k // group, n, device="cuda") * 0.01 + 1e-3).half()
-    p = pack_for_gemv(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"), qz, sc)
+    p = random_awq_packed(k, n, group)
     out = torch.empty(n, k, dtype=torch.float16, device="cuda")
     us = time_graph(lambda i: awq_packed_dequantize(p, out=out), 1)
     nbytes = p.nbytes() + 2 * k * n
