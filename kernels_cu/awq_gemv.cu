@@ -88,7 +88,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     // One step = U tiles of this warp (tile = base + u * WARPS + warp). The weights and group terms of the
     // next step are issued before this step's math (software pipeline, as in fp16_gemv.cu), so a warp
     // keeps U KB of weights in flight; activations (L1/L2 hits after the first warp) are loaded at the
-    // start of their step, which keeps the registers for three resident blocks per SM.
+    // start of their step, which keeps the registers within what the entry points' block counts allow.
     // At M <= 8 the kernel is bound by instruction issue (ncu: docs/gpu.md), so the steps that lie wholly
     // inside K (all but at most the last) run without guards, zero fills or per-load address arithmetic;
     // only the last step (tiles past the end, k's past K) is guarded.
@@ -291,21 +291,25 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
 
 // (y fp16, x fp16 [M,K], packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles * GPT, 8, 2],
 //  residual fp16 [M,N] or null, int M, int N, int K, int tiles)
-#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, NAME)                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 3)                                                   \
+#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, BLOCKS, NAME)                                                    \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                              \
         awq_gemv_mt##MT##_g##GPT##_##NAME(__half* y, const __half* x, const uint32_t* packed,            \
                                           const uint32_t* terms, const __half* residual, int M, int N,    \
                                           int K, int tiles) {                                              \
         awq_gemv<MT, GPT, EPI, U>(y, x, packed, terms, residual, M, N, K, tiles);                          \
     }
-#define FLLAMA_AWQ_GEMV_EPIS(MT, GPT, U) \
-    FLLAMA_AWQ_GEMV(MT, GPT, 0, U, plain) FLLAMA_AWQ_GEMV(MT, GPT, 1, U, res) FLLAMA_AWQ_GEMV(MT, GPT, 2, U, silu)
+#define FLLAMA_AWQ_GEMV_EPIS(MT, GPT, U, BLOCKS)                                                 \
+    FLLAMA_AWQ_GEMV(MT, GPT, 0, U, BLOCKS, plain) FLLAMA_AWQ_GEMV(MT, GPT, 1, U, BLOCKS, res) \
+    FLLAMA_AWQ_GEMV(MT, GPT, 2, U, BLOCKS, silu)
 #define FLLAMA_AWQ_GEMV_GROUPS(MT, U) \
-    FLLAMA_AWQ_GEMV_EPIS(MT, 1, U) FLLAMA_AWQ_GEMV_EPIS(MT, 2, U) FLLAMA_AWQ_GEMV_EPIS(MT, 4, U)
+    FLLAMA_AWQ_GEMV_EPIS(MT, 1, U, 3) FLLAMA_AWQ_GEMV_EPIS(MT, 2, U, 3) FLLAMA_AWQ_GEMV_EPIS(MT, 4, U, 3)
 
-// Registers bound the tiles in flight: U = 4 / 2 / 1 for 8 / 16 / 32 tokens per block; at 8 tokens, 3 for groups
-// of 64 and 2 for groups of 32, whose terms take 4 / 8 registers per tile (U = 4 spills there).
-FLLAMA_AWQ_GEMV_EPIS(1, 1, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3) FLLAMA_AWQ_GEMV_EPIS(1, 4, 2)
+// U tiles per step (in flight per warp) against resident blocks per SM (BLOCKS, which caps the registers).
+// At 8 tokens and groups of 128: U = 2 in four blocks (114 registers) beat U = 4 in three (168) in the engine,
+// 525 vs 510 tok/s at batch 1 and 2,944 vs 2,870 at 8 (H200, docs/benchmarks.md step table): the down and
+// gate|up GEMVs gain more from the fourth block than q|k|v loses. Groups of 64 / 32 (terms take 4 / 8
+// registers per tile): U = 3 / 2 in three blocks (U = 4 spills). 16 / 32 tokens: U = 2 / 1 in three blocks.
+FLLAMA_AWQ_GEMV_EPIS(1, 1, 2, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3, 3) FLLAMA_AWQ_GEMV_EPIS(1, 4, 2, 3)
 FLLAMA_AWQ_GEMV_GROUPS(2, 2)
 FLLAMA_AWQ_GEMV_GROUPS(4, 1)
 
