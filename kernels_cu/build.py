@@ -294,6 +294,15 @@ class KernelFunction:
         self._ex_max_dynamic_shared = STATIC_SHARED_LIMIT
         self._sync_each = os.environ.get("FLLAMA_CUDA_SYNC") == "1"  # debugging: surface async faults here
 
+    def resources(self) -> dict[str, int]:
+        """What the compiled kernel costs each thread / block: registers, local (spill) bytes, static shared bytes."""
+        import pycuda.driver as drv
+
+        attr = drv.function_attribute
+        return {"registers": self._fn.get_attribute(attr.NUM_REGS),
+                "local_bytes": self._fn.get_attribute(attr.LOCAL_SIZE_BYTES),
+                "shared_bytes": self._fn.get_attribute(attr.SHARED_SIZE_BYTES)}
+
     def __call__(self, grid: tuple, block: tuple, *args, shared: int = 0) -> None:
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments ({self.signature}), got {len(args)}")

@@ -18,6 +18,7 @@ from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
 from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
 from kernels_cu.awq_gemv import (GEMV_MAX_M, awq_gemv, awq_linear, awq_linear_ref, awq_packed_dequantize,  # noqa: E402
                                  pack_for_gemv)
+from kernels_cu import build  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -111,3 +112,17 @@ def test_graph_replay_and_determinism():
     first = awq_gemv(x, p)
     for _ in range(3):
         assert_equal(awq_gemv(x, p), first, "run to run")
+
+
+@pytest.mark.parametrize("mt", [1, 2, 4])
+@pytest.mark.parametrize("gpt", [1, 2, 4])
+@pytest.mark.parametrize("epi", ["plain", "res", "silu"])
+def test_gemv_resources(mt, gpt, epi):
+    """No variant spills, and the 8-token, groups-of-128 kernel keeps four blocks resident per SM (the
+    register budget its U = 2 was chosen for: docs/gpu.md, AWQ GEMV step 5)."""
+    fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{gpt}_{epi}", "PPPPPiiii")
+    res = fn.resources()
+    assert res["local_bytes"] == 0, res
+    blocks = 4 if (mt, gpt) == (1, 1) else 3
+    per_thread = -(-res["registers"] // 8) * 8  # the register file is handed out in steps of 8 per thread
+    assert per_thread * 128 * blocks <= 65536, res
