@@ -16,9 +16,10 @@ if not GPU_STACK:
 
 from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
 from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
-from kernels_cu.awq_gemv import (GEMV_MAX_M, awq_gemv, awq_linear, awq_linear_ref, awq_packed_dequantize,  # noqa: E402
-                                 pack_for_gemv)
+from kernels_cu.awq_gemv import (GEMV_MAX_M, THREADS, awq_gemv, awq_linear, awq_linear_ref,  # noqa: E402
+                                 awq_packed_dequantize, pack_for_gemv)
 from kernels_cu import build  # noqa: E402
+from kernels_cu.gemm_shapes import cdiv  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -124,5 +125,5 @@ def test_gemv_resources(mt, gpt, epi):
     res = fn.resources()
     assert res["local_bytes"] == 0, res
     blocks = 4 if (mt, gpt) == (1, 1) else 3
-    per_thread = -(-res["registers"] // 8) * 8  # the register file is handed out in steps of 8 per thread
-    assert per_thread * 128 * blocks <= 65536, res
+    per_thread = cdiv(res["registers"], 8) * 8  # the register file is handed out in steps of 8 per thread
+    assert per_thread * THREADS * blocks <= 65536, res
