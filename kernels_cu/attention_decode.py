@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels_cu import build
+from kernels_cu import build, counters
 from kernels_cu.checks import check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count
 
@@ -34,14 +34,12 @@ FUSED_STAGE = 16 * FUSED_WARPS  # positions per pipeline stage
 FUSED_NBUF = 2  # stages resident in shared memory
 FUSED_PH_STRIDE = 24  # halves per head row of a warp's P tile
 MAX_SPLITS = 512
+COUNTER_POOL = "attention"
 FUSED_STATIC_SMEM = 176  # bytes of static shared memory (ptxas)
 BLOCK_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident block (sm_80 and later)
 MAX_BLOCKS_PER_SM = 4  # the register budget (<= 128 per thread except d128 fp16, which smem caps at 3)
-COUNTERS_MIN = 1 << 16  # int32 counters kept per device; grown (never under capture) when a launch needs more
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> int32 counters, all zero between launches
-_RETIRED: list[torch.Tensor] = []  # outgrown counters: graphs captured earlier still point at them
 
 
 @dataclass(frozen=True)
@@ -141,23 +139,7 @@ def attention_decode_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def reset_counters() -> None:
     """Zero the fused kernels' counters (only needed after a launch was aborted mid-way)."""
-    for c in [*_COUNTERS.values(), *_RETIRED]:
-        c.zero_()
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The device's zeroed int32 counters, at least n of them. Allocated outside any graph capture: a
-    captured launch must point at memory that outlives the capture's private pool."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    have = _COUNTERS.get(index)
-    if have is None or have.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"attention counters must grow to {n} during graph capture: run the same "
-                               "call once before capturing")
-        if have is not None:
-            _RETIRED.append(have)
-        _COUNTERS[index] = torch.zeros(max(n, COUNTERS_MIN), dtype=torch.int32, device=device)  # [n]
-    return _COUNTERS[index]
+    counters.reset(COUNTER_POOL)
 
 
 def _smem_per_sm(device: torch.device) -> int:
@@ -183,14 +165,14 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
             a_scale = out_or_new(a_scale, (B,), torch.float32, q, "a_scale", align=4)
         if B == 0:
             return out, q_out, a_scale
-        counters = _counters(q.device, launch.units + B)
+        counts = counters.counters(COUNTER_POOL, q.device, launch.units + B)
         S = launch.splits
         part_o = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
         part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
         name = f"attn_fused_d{D}{'_kv8' if kv8 else ''}"
         fn = build.get_function("attention_decode.cu", name, "PPPPPPPPPPPPPiiiiif")
         fn((S, launch.units), (FUSED_THREADS,), out, q_out if quant else None, a_scale if quant else None,
-           static_amax if quant else None, part_o, part_ml, counters, q, k_cache, v_cache, k_scale, v_scale,
+           static_amax if quant else None, part_o, part_ml, counts, q, k_cache, v_cache, k_scale, v_scale,
            lengths, H, Hkv, L, S, launch.span_tiles, math.log2(math.e) / math.sqrt(D), shared=launch.smem)
     return out, q_out, a_scale
 

@@ -15,7 +15,7 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import attention_decode as ad  # noqa: E402
-from kernels_cu import build  # noqa: E402
+from kernels_cu import build, counters  # noqa: E402
 from kernels_cu.attention_decode import attention_decode, attention_decode_quant, attention_decode_ref  # noqa: E402
 from kernels_cu.quantize import quantize_ref  # noqa: E402
 from kernels_cu.attention_prefill import attention_prefill, attention_prefill_ref  # noqa: E402
@@ -73,7 +73,7 @@ def run_decode(B, H, Hkv, D, L, max_len, int8=False, chunk=None, seed=0, fused=T
 
 def counters_are_zero() -> None:
     build.synchronize()
-    for c in ad._COUNTERS.values():
+    for c in counters.pools(ad.COUNTER_POOL):
         assert int(c.abs().sum()) == 0, "a fused launch left a counter non-zero"
 
 
