@@ -25,6 +25,7 @@
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles)
 //   grid (N / 16, ceil(M / (8 * MT))), block 128.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
+#include "awq_layout.cuh"
 #include "common.cuh"
 #include "gemm_common.cuh"
 
@@ -35,25 +36,6 @@ namespace {
 constexpr int WARPS = 4;
 constexpr int TILE_K = 128;
 constexpr int TILE_WORDS = 256;  // 1 KB: 2 rows x 32 lanes x 4 words
-
-// Lane's two group terms (rows g and g + 8) -> the zero pairs that make q - z exact and the fp32 scales.
-struct Terms {
-    __half2 zlo[2];  // 1024 + z: subtracted from (1024 + q)
-    __half2 zhi[2];  // 960 - (1024 + z) = -(64 + z): added to (1024 + 16 q) / 16 = 64 + q
-    float s[2];
-};
-
-__device__ __forceinline__ Terms make_terms(uint2 raw) {
-    Terms tm;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const uint32_t v = h ? raw.y : raw.x;
-        tm.zlo[h] = bits_h2(prmt(v, v, 0x3232));  // both halves = the high half (1024 + z)
-        tm.zhi[h] = __hsub2(bits_h2(FP16_960), tm.zlo[h]);
-        tm.s[h] = __half2float(__ushort_as_half((unsigned short)(v & 0xffff)));
-    }
-    return tm;
-}
 
 template <int MT, int GPT, int EPI, int U>
 __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* __restrict__ x,
@@ -117,7 +99,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         for (int u = 0; u < U; ++u) {
 #pragma unroll
             for (int q = 0; q < GPT; ++q) {
-                const Terms tm = make_terms(c.tm[u][q]);
+                const AwqTerms tm = awq_terms(c.tm[u][q]);
                 float tmp[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -126,14 +108,8 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
 #pragma unroll
                 for (int jj = 0; jj < MPG; ++jj) {
                     const int j = q * MPG + jj;  // mma index in the tile: word j / 2, half (j % 2) of it
-                    uint32_t a[4];               // a0 row g (e0, e1), a1 row g+8, a2 row g (e2, e3), a3 row g+8
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint32_t wd = word(c.w[u][h], j >> 1) >> ((j & 1) * 8);
-                        a[h] = h2_bits(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), tm.zlo[h]));
-                        a[2 + h] = h2_bits(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
-                                                   bits_h2(FP16_ONE_SIXTEENTH), tm.zhi[h]));
-                    }
+                    uint32_t a[4];
+                    awq_a_frag(c.w[u], j, tm, a);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         const uint4& xw = xv[u][mt][j >> 1];

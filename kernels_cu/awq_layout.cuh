@@ -1,0 +1,44 @@
+// The engine's int4 layout (awq_gemv.py packs it; awq_gemv.cu and awq_batch.cu read it): the pieces both
+// kernels share to turn a lane's weight words and group terms into m16n8k16 A fragments.
+//   A 128-k tile of a 16-channel panel is 1 KB: [h = row g | row g + 8][lane][4 words]; lane (g, t)'s word w
+//   feeds mma 2w (its low byte pairs) and 2w + 1 (after >> 8), nibbles placed so that each LOP3 extraction is
+//   an A register as it comes. Per (channel, group run) one uint32 of terms: fp16 s | fp16 1024 + z << 16.
+#pragma once
+#include "common.cuh"
+#include "gemm_common.cuh"
+
+namespace fllama {
+
+// Lane's two group terms (rows g and g + 8) -> the zero pairs that make q - z exact and the fp32 scales.
+struct AwqTerms {
+    __half2 zlo[2];  // 1024 + z: subtracted from (1024 + q)
+    __half2 zhi[2];  // 960 - (1024 + z) = -(64 + z): added to (1024 + 16 q) / 16 = 64 + q
+    float s[2];
+};
+
+__device__ __forceinline__ AwqTerms awq_terms(uint2 raw) {
+    AwqTerms tm;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t v = h ? raw.y : raw.x;
+        tm.zlo[h] = bits_h2(prmt(v, v, 0x3232));  // both halves = the high half (1024 + z)
+        tm.zhi[h] = __hsub2(bits_h2(FP16_960), tm.zlo[h]);
+        tm.s[h] = __half2float(__ushort_as_half((unsigned short)(v & 0xffff)));
+    }
+    return tm;
+}
+
+// The A fragment of mma j (0..7) of a tile from the lane's words w[h] (rows g, g + 8): q - z, exact in fp16
+// (the magic-number subtraction; the group's scale multiplies the mma's fp32 sum instead).
+//   a0 row g (e0, e1), a1 row g + 8, a2 row g (e2, e3), a3 row g + 8
+__device__ __forceinline__ void awq_a_frag(const uint4 (&w)[2], int j, const AwqTerms& tm, uint32_t (&a)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t wd = word(w[h], j >> 1) >> ((j & 1) * 8);
+        a[h] = h2_bits(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), tm.zlo[h]));
+        a[2 + h] = h2_bits(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
+                                   bits_h2(FP16_ONE_SIXTEENTH), tm.zhi[h]));
+    }
+}
+
+}  // namespace fllama
