@@ -25,7 +25,7 @@ from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.awq_gemv import awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.embedding import embedding
-from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
+from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
 from kernels_cu.quantize import quantize
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
@@ -87,7 +87,10 @@ class Fp16Op:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.swiglu:
             return fp16_swiglu(x, self.weight)
-        return fp16_linear(x, self.weight, residual)
+        # Beyond the GEMV's rows cuBLAS adds the residual in its epilogue only when writing over it (torch
+        # copies it to a separate output first): the layer's residual stream is dead after this op.
+        out = residual if residual is not None and x.shape[0] > DECODE_MAX_M else None
+        return fp16_linear(x, self.weight, residual, out)
 
     def nbytes(self) -> int:
         return self.weight.numel() * 2

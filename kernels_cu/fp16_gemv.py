@@ -3,10 +3,11 @@
     y[m, n] = fp16(sum_k x[m, k] * weight[n, k])   fp32 accumulation   (+ residual[m, n], an fp16 add)
 
 M <= 16: fp16_gemv, a tensor-core GEMV that streams the weight once (cuBLAS leaves a third of the
-bandwidth unused at M = 1). Larger M: torch.matmul (cuBLAS tensor-core GEMM).
+bandwidth unused at M = 1). Larger M: cuBLAS tensor-core GEMM through torch, the residual added in its
+epilogue: fp16(fp32 sum + residual[m, n]), one rounding instead of the two above.
 
 SwiGLU: a gate|up weight interleaved by 8 (swiglu_layout.py) lets `fp16_swiglu` write silu(gate) * up from
-the GEMV's epilogue.
+the GEMV's epilogue; beyond 16 rows silu_mul_interleaved does it in one kernel after cuBLAS.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, gemv_grid, token_tile
+from kernels_cu.silu_mul import silu_mul_interleaved
 from kernels_cu.swiglu_layout import swiglu_interleaved
 
 DECODE_MAX_M = 16
@@ -28,10 +30,12 @@ def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         return fp16_gemv(x, weight, residual, out)
     _check(x, weight, residual)
     with build.on_stream():
-        y = torch.matmul(x, weight.t(), out=out)  # [M, N]
-        if residual is not None:
-            y.add_(residual)  # rounded product, then an fp16 add: the reference model's two steps
-    return y
+        if residual is None:
+            return torch.matmul(x, weight.t(), out=out)  # [M, N]
+        # cuBLAS with beta = 1: the residual added in its epilogue (within the reference's tolerance of
+        # fp16_linear_ref's rounded product + fp16 add). torch first copies the residual into `out` (a
+        # device-to-device copy where there was an add kernel) unless out is residual: the engine's form.
+        return torch.addmm(residual, x, weight.t(), out=out)  # [M, N]
 
 
 def fp16_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
@@ -54,8 +58,7 @@ def fp16_swiglu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     check_multiple(N, 16, "an interleaved gate|up weight's rows")
     with build.on_stream():
         if M > DECODE_MAX_M:
-            a = swiglu_interleaved(torch.matmul(x, weight.t()))  # [M, F]
-            return a if out is None else out.copy_(a)
+            return silu_mul_interleaved(torch.matmul(x, weight.t()), out)  # [M, 2F] -> [M, F]
         y = out_or_new(out, (M, N // 2), torch.float16, x, "out", align=2)
         if M:
             fn = build.get_function("fp16_gemv.cu", f"fp16_gemv_mt{token_tile(M)}_silu", "PPPPiii")

@@ -4,6 +4,8 @@
 // to fp16, then an fp16 multiply; the int8 variants quantize that fp16 value with the rule in common.cuh.
 // Entry points silu_mul_<plain|dyn|static>_nv<NV>(out fp16 [T,F], q int8 [T,F], a_scale f32 [T],
 //                                               static_amax f32 [1], gate_up fp16 [T,2F], int F)
+// silu_mul_interleaved(out fp16 [M,F], y fp16 [M,2F], int64 n_panels = M*F/8): the same math on swiglu_layout.py's
+// interleaved columns (16-column panels of 8 gate then 8 up channels), one thread per panel.
 #include "common.cuh"
 
 using namespace fllama;
@@ -62,3 +64,19 @@ FLLAMA_SILU_VARIANTS(1)
 FLLAMA_SILU_VARIANTS(2)
 FLLAMA_SILU_VARIANTS(4)
 FLLAMA_SILU_VARIANTS(8)
+
+// y's panel p (columns 16p..16p+15 of the flattened [M, 2F]) gives out's 8 values 8p..8p+7 of the flattened [M, F]:
+// rows need no index arithmetic. Grid-stride, though the launcher starts a thread per panel.
+extern "C" __global__ void __launch_bounds__(256)
+    silu_mul_interleaved(__half* __restrict__ out, const __half* __restrict__ y, long long n_panels) {
+    pdl_enter();
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < n_panels;
+         p += (long long)gridDim.x * blockDim.x) {
+        const Half8 g = load_half8(y + 16 * p);
+        const Half8 u = load_half8(y + 16 * p + 8);
+        Half8 v;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) half8_set(v, i, __hmul_rn(silu_h(half8_get(g, i)), half8_geth(u, i)));
+        store_half8(out + 8 * p, v);
+    }
+}

@@ -1,5 +1,6 @@
 """SwiGLU activation (silu_mul.cu): silu(gate) * up from the fused gate|up output, optionally int8-quantized
-(dynamic per token or static per tensor, quantize.quantize_ref's rule) for the down projection."""
+(dynamic per token or static per tensor, quantize.quantize_ref's rule) for the down projection; and from a
+product in swiglu_layout.py's interleaved column order (`silu_mul_interleaved`, the fp16 path beyond the GEMV)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import torch.nn.functional as F
 
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
+from kernels_cu.gemm_shapes import cdiv
 from kernels_cu.quantize import quantize_ref
 
 SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
+INTERLEAVED_SIGNATURE = "PPq"  # out, y, n_panels
+INTERLEAVED_THREADS = 256  # one thread per 16-column panel
 
 
 def silu_mul_ref(gate_up: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -61,3 +65,19 @@ def silu_mul_quant(gate_up: torch.Tensor, static_amax: torch.Tensor | None = Non
     _launch("dyn" if static_amax is None else "static", T, F_, q=q, a_scale=a_scale, static_amax=static_amax,
             gate_up=gate_up)
     return q, a_scale
+
+
+def silu_mul_interleaved(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp16 y [M, 2F] in the interleaved gate|up column order (swiglu_layout.py) -> silu(gate) * up fp16 [M, F],
+    the bits of swiglu_layout.swiglu_interleaved (its reference)."""
+    if y.dim() != 2 or y.shape[1] % 16:
+        raise ValueError(f"y must be [M, 2F] with 2F a multiple of 16 (panels of 8 gate and 8 up columns), "
+                         f"got shape {tuple(y.shape)}")
+    check_tensor(y, "y", torch.float16)
+    M, F_ = y.shape[0], y.shape[1] // 2
+    out = out_or_new(out, (M, F_), torch.float16, y, "out")
+    n_panels = M * F_ // 8  # one thread each: [M, F/8] flattened
+    if n_panels:
+        fn = build.get_function("silu_mul.cu", "silu_mul_interleaved", INTERLEAVED_SIGNATURE)
+        fn((cdiv(n_panels, INTERLEAVED_THREADS),), (INTERLEAVED_THREADS,), out, y, n_panels)
+    return out

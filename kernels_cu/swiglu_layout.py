@@ -2,8 +2,9 @@
 
 A fused gate|up weight has rows [gate 0..F-1; up 0..F-1]. Interleaved by 8, each 16-row panel holds gate rows
 8b..8b+7 and then up rows 8b..8b+7: the mma's rows g and g + 8, so one lane holds a gate sum and its up sum.
-Outside the GEMV (prefill through cuBLAS, references) the product comes out interleaved and `swiglu_interleaved`
-applies silu(gate) * up with torch's fp16 ops, the rounding of silu_mul.cu.
+Outside the GEMV (cuBLAS beyond 16 rows, references) the product comes out interleaved and silu(gate) * up is
+a step of its own: on the GPU one kernel, silu_mul.silu_mul_interleaved (fp16_gemv.fp16_swiglu uses it);
+`swiglu_interleaved` here is its torch reference, with the same rounding as silu_mul.cu.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_interleaved(y: torch.Tensor) -> torch.Tensor:
-    """y [M, 2F] in the interleaved column order -> silu(gate) * up [M, F] (fp16 in, fp16 out)."""
+    """y [M, 2F] in the interleaved column order -> silu(gate) * up [M, F] (fp16 in, fp16 out): torch's F.silu
+    (fp32 math rounded to fp16), then an fp16 multiply. The GPU kernel is silu_mul.silu_mul_interleaved."""
     M = y.shape[0]
     y = y.reshape(M, -1, 2, HALF)  # [M, panels, gate | up, 8]
     return (F.silu(y[:, :, 0]) * y[:, :, 1]).reshape(M, -1)

@@ -1,4 +1,5 @@
-"""silu_mul.cu against F.silu(g) * u: fp16 within 2e-3 of float64, int8 variants bit for bit."""
+"""silu_mul.cu against F.silu(g) * u: fp16 within 2e-3 of float64, int8 variants bit for bit; the interleaved
+entry point bit for bit against swiglu_layout.swiglu_interleaved and silu_mul."""
 
 import pytest
 import torch
@@ -9,11 +10,14 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu.quantize import quantize_ref  # noqa: E402
-from kernels_cu.silu_mul import silu_mul, silu_mul_quant, silu_mul_ref  # noqa: E402
+from kernels_cu.silu_mul import silu_mul, silu_mul_interleaved, silu_mul_quant, silu_mul_ref  # noqa: E402
+from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FFN = [1536, 11008, 14336, 28672]
 TOKENS = [1, 7, 33]
+INTERLEAVED_M = [1, 17, 32, 100]  # decode GEMV's limit + 1, decode batch 32, an odd prefill
+INTERLEAVED_F = [8, 688, 11008]  # one panel, 86 panels, llama-7B
 
 
 @pytest.mark.parametrize("F", FFN)
@@ -41,3 +45,46 @@ def test_silu_mul_quant_is_bitwise(T, F, static):
     q_ref, s_ref = quantize_ref(y, amax)
     assert_equal(q, q_ref, "q")
     assert_equal(s, s_ref, "a_scale")
+
+
+@pytest.mark.parametrize("F", INTERLEAVED_F)
+@pytest.mark.parametrize("M", INTERLEAVED_M)
+def test_silu_mul_interleaved_is_bitwise(M, F):
+    """The same fp32 silu, fp16 rounding and fp16 multiply as torch's ops and as silu_mul on [gate | up]."""
+    gate_up = randn(M, 2 * F, scale=3.0, seed=M * F + 2)  # [M, 2F] as [gate | up]
+    y = gate_up[:, gate_up_order(2 * F, gate_up.device)].contiguous()  # [M, 2F] interleaved
+    out = torch.empty(M, F, dtype=torch.float16, device="cuda")
+    poison(out)
+    assert silu_mul_interleaved(y, out=out) is out
+    assert_equal(out, swiglu_interleaved(y), f"vs torch M={M} F={F}")
+    assert_equal(out, silu_mul(gate_up), f"vs silu_mul M={M} F={F}")
+    assert_equal(silu_mul_interleaved(y), out, "out=None")
+
+
+def test_silu_mul_interleaved_extremes():
+    """Zeros, fp16 subnormals, exp(-g) overflowing fp32 (g = -65504 gives -0), and products overflowing to inf."""
+    g = torch.tensor([0.0, -0.0, 6e-8, -6e-8, 6.1e-5, -6.1e-5, 0.5, -0.5, 11.0, -11.0, 17.5, -17.5, 88.5, -88.5,
+                      65504.0, -65504.0], dtype=torch.float16)  # [16] gate values
+    u = torch.tensor([1.0, -3.0, 65504.0, -65504.0, 2.0, 1e-3, 7.0, -7.0] * 2, dtype=torch.float16)  # [16]
+    gate_up = torch.stack([torch.cat([g, u]), torch.cat([g.flip(0), u])]).cuda()  # [2, 32] as [gate | up]
+    y = gate_up[:, gate_up_order(32, gate_up.device)].contiguous()  # [2, 32] interleaved
+    assert_equal(silu_mul_interleaved(y), swiglu_interleaved(y), "extremes")
+
+
+def test_silu_mul_interleaved_empty_and_bad_arguments():
+    assert silu_mul_interleaved(torch.empty(0, 32, dtype=torch.float16, device="cuda")).shape == (0, 16)
+    y = randn(4, 32, seed=5)
+    with pytest.raises(ValueError, match="out must have shape"):
+        silu_mul_interleaved(y, out=torch.empty(4, 32, dtype=torch.float16, device="cuda"))
+    with pytest.raises(ValueError, match="out must be torch.float16"):
+        silu_mul_interleaved(y, out=torch.empty(4, 16, dtype=torch.float32, device="cuda"))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        silu_mul_interleaved(randn(4 * 32 + 1, seed=6)[1:].view(4, 32))
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_mul_interleaved(randn(4, 64, seed=7)[:, :32])
+    with pytest.raises(ValueError, match="y must be torch.float16"):
+        silu_mul_interleaved(y.float())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        silu_mul_interleaved(randn(4, 24, seed=8))
+    with pytest.raises(ValueError, match=r"\[M, 2F\]"):
+        silu_mul_interleaved(randn(32, seed=9))
