@@ -5,7 +5,8 @@
                   terms  int32 [N/16, T * 128 / GS, 8, 2]  (fp16 s | fp16 1024 + z << 16 per channel and
                                                             GS-group, GS = gcd(G, 128): 32, 64 or 128)
 
-M <= GEMV_MAX_M: awq_gemv (y = sum_groups s * sum_k (q - z) x, fp32); larger M: dequantize to
+M <= GEMV_MAX_M: awq_gemv (y = sum_groups s * sum_k (q - z) x, fp32), or from BATCH_MIN_M tokens on the
+awq_batch.cu GEMM (4 panels per block sharing the activations through shared memory); larger M: dequantize to
 w_hat [N, K] = fp16((q - z) * s) and cuBLAS. With `swiglu` the gate|up weight's channels are interleaved
 by 8 per panel of 16 and the GEMV writes silu(gate) * up directly (one kernel instead of two).
 """
@@ -18,14 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from calibrate.awq_pack import unpack_awq
-from kernels_cu import build
+from kernels_cu import awq_batch, build
 from kernels_cu.checks import check_tensor, out_or_new
-from kernels_cu.gemm_shapes import cdiv
+from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, token_tile
 from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved
 
 TILE_K = 128
 PANEL = 16
 GEMV_MAX_M = 64  # above: dequantize + cuBLAS (one weight read per 32 tokens costs more than a dequant pass)
+BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) instead of the GEMV
 THREADS = 128
 # Position r (0..7) of a word's eight values (mma 2w: r 0-3, mma 2w + 1: r 4-7) lives in nibble NIBBLE_OF[r].
 NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -135,6 +137,8 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows, else w_hat + cuBLAS."""
     M = _check(x, p, residual)
+    if BATCH_MIN_M <= M <= GEMV_MAX_M and awq_batch.takes(p.n):
+        return awq_batch.launch(x, p, residual, out)
     if M <= GEMV_MAX_M:
         return _gemv(x, p, residual, out)
     with build.on_stream():
@@ -156,13 +160,22 @@ def awq_gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None
     return _gemv(x, p, residual, out)
 
 
+def awq_batch_gemm(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """The batch GEMM (awq_batch.cu) for any M; `splits` forces its K split count (tuning)."""
+    _check(x, p, residual)
+    if not awq_batch.takes(p.n):
+        raise ValueError(f"the AWQ batch GEMM needs N % {awq_batch.CHANNELS} == 0, got N = {p.n}")
+    return awq_batch.launch(x, p, residual, out, splits)
+
+
 def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
     M = x.shape[0]
     with build.on_stream():
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=2)
         if M == 0:
             return y
-        mt = token_tile(M)
+        mt = token_tile(M, AWQ_WIDEST_TILE)
         epi = "silu" if p.swiglu else "res" if residual is not None else "plain"
         fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{p.gpt}_{epi}", "PPPPPiiii")
         fn(gemv_grid(M, p.n), (THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
@@ -170,14 +183,9 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
     return y
 
 
-def token_tile(m: int) -> int:
-    """MT: 8-token mma tiles per block (the kernel's register use grows with it)."""
-    return 1 if m <= 8 else 2 if m <= 16 else 4
-
-
 def gemv_grid(m: int, n: int) -> tuple[int, int]:
     """One block per 16-channel panel and 8 * MT tokens."""
-    return n // PANEL, cdiv(m, 8 * token_tile(m))
+    return n // PANEL, cdiv(m, 8 * token_tile(m, AWQ_WIDEST_TILE))
 
 
 def awq_packed_dequantize(p: AwqPacked, out: torch.Tensor | None = None) -> torch.Tensor:

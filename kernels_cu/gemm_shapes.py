@@ -36,9 +36,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def token_tile(m: int) -> int:
-    """MT: 8-token tiles per block of the small-M kernels (1 up to 8 tokens, else 2 = 16 per block)."""
-    return 1 if m <= 8 else 2
+AWQ_WIDEST_TILE = 4  # awq_gemv.cu / awq_batch.cu take up to 32 tokens per block
+
+
+def token_tile(m: int, widest: int = 2) -> int:
+    """MT: 8-token tiles per block of the small-M kernels, the fewest of 1, 2, 4 that cover m tokens, at most
+    `widest` (fp16 / int8: 2 = 16 tokens per block; the AWQ kernels: 4)."""
+    for mt in (1, 2, 4):
+        if mt >= widest or m <= 8 * mt:
+            return mt
+    return widest
 
 
 def gemv_grid(m: int, n: int) -> tuple[int, int]:

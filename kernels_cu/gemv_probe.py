@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kernels_cu.awq_gemv import awq_gemv
+from kernels_cu.awq_gemv import awq_batch_gemm, awq_gemv
 from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
 from kernels_cu.microbench import SHAPES_7B, random_awq_packed
@@ -35,13 +35,15 @@ def _cases(scheme: str, m: int, name: str, k: int, n: int) -> Callable[[], objec
         a = torch.rand(m, device="cuda") * 0.01 + 1e-3
         return lambda: int8_gemm(q, a, w8, ws)
     p = random_awq_packed(k, n, swiglu=name == SWIGLU)
+    if scheme == "awq-batch":
+        return lambda: awq_batch_gemm(x, p)
     return lambda: awq_gemv(x, p)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1", help="token counts")
-    ap.add_argument("--only", default="awq,int8,fp16", help="schemes")
+    ap.add_argument("--only", default="awq,int8,fp16", help="schemes: awq, awq-batch, int8, fp16")
     args = ap.parse_args(argv)
     for scheme in args.only.split(","):
         for m in (int(v) for v in args.ms.split(",")):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kernels_cu import build
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
-from kernels_cu.awq_gemv import AwqPacked, awq_gemv, awq_packed_dequantize, pack_for_gemv
+from kernels_cu.awq_gemv import AwqPacked, awq_batch_gemm, awq_gemv, awq_packed_dequantize, pack_for_gemv
 from kernels_cu.fp16_gemv import fp16_gemv
 from kernels_cu.int8_gemm import int8_gemm
 
@@ -130,17 +130,24 @@ def random_awq_packed(k: int, n: int, group: int = 128, swiglu: bool = False) ->
     return pack_for_gemv(qw, qz, sc, swiglu=swiglu)
 
 
-def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128) -> Row:
-    """The engine's AWQ path: awq_gemv on the repacked layout (awq_gemv.py)."""
+def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128, batch: bool = False,
+                   splits: int | None = None) -> Row:
+    """The engine's AWQ kernels on the repacked layout: awq_gemv, or with `batch` the batch GEMM
+    (awq_batch.cu; `splits` forces its K split count)."""
     first = random_awq_packed(k, n, group)
     nbytes_w = first.nbytes()
     nc = copies_for(nbytes_w)
     packs = [first] + [AwqPacked(torch.randint_like(first.packed, -2**31, 2**31 - 1), first.terms, n, k, group,
                                  first.gs) for _ in range(nc - 1)]
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    us = time_graph(lambda i: awq_gemv(x, packs[i]), nc)
+    if batch:
+        us = time_graph(lambda i: awq_batch_gemm(x, packs[i], splits=splits), nc)
+        tag = f"awq-batch g{group}" + (f" s{splits}" if splits else "")
+    else:
+        us = time_graph(lambda i: awq_gemv(x, packs[i]), nc)
+        tag = f"awq-gemv g{group}"
     nbytes = nbytes_w + 2 * (m * k + m * n)
-    return Row(f"awq-gemv g{group}", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+    return Row(tag, f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
 
 
 def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
@@ -180,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ms", default="1,8,16,32", help="token counts for the GEMV rows")
     ap.add_argument("--only", default="fp16,int8,awq,attn,dequant", help="which groups to run")
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
+    ap.add_argument("--batch-splits", default="", help="also sweep the AWQ batch GEMM's K splits, e.g. 1,2,4")
     ap.add_argument("--json", default="", help="write the rows to this file")
     args = ap.parse_args(argv)
     build.require_cuda()
@@ -198,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
             if "awq" in only:
                 rows.append(bench_awq(m, k, n, bw))
                 rows.append(bench_awq_gemv(m, k, n, bw))
+                rows.append(bench_awq_gemv(m, k, n, bw, batch=True))
+                for s in filter(None, args.batch_splits.split(",")):
+                    rows.append(bench_awq_gemv(m, k, n, bw, batch=True, splits=int(s)))
                 for s in filter(None, args.awq_splits.split(",")):
                     rows.append(bench_awq(m, k, n, bw, splits=int(s)))
     if "dequant" in only:

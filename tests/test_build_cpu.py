@@ -22,7 +22,8 @@ from kernels_cu.quantize import quantize_ref
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_ref
 from kernels_cu.rope_kv import rope_kv_ref, rope_table
 from kernels_cu.sampling import MAX_TOP_K, params_tensor, sampling_probs_ref
-from kernels_cu.silu_mul import silu_mul_ref
+from kernels_cu.silu_mul import silu_mul_interleaved, silu_mul_ref
+from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError, DeviceError
 from model_zoo.reference import apply_rope, rms_norm, rope_cos_sin
@@ -36,7 +37,11 @@ ENTRY_POINTS = {
     "rmsnorm.cu": [f"rmsnorm_{v}_nv{n}" for v in ("plain", "dyn", "static", "add", "add_dyn", "add_static")
                    for n in (1, 2, 4, 8)],
     "quantize.cu": [f"quantize_{v}_nv{n}" for v in ("dyn", "static") for n in (1, 2, 4, 8)],
-    "silu_mul.cu": [f"silu_mul_{v}_nv{n}" for v in ("plain", "dyn", "static") for n in (1, 2, 4, 8)],
+    "silu_mul.cu": [f"silu_mul_{v}_nv{n}" for v in ("plain", "dyn", "static") for n in (1, 2, 4, 8)]
+                   + ["silu_mul_interleaved"],
+    "awq_gemv.cu": [f"awq_gemv_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4) for e in ("plain", "res", "silu")],
+    "awq_batch.cu": [f"awq_batch_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4)
+                     for e in ("plain", "res", "silu")],
     "embedding.cu": ["embedding_i32", "embedding_i64"],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
     "sampling.cu": ["sample_f16", "sample_f32"],
@@ -192,6 +197,27 @@ def test_silu_and_embedding_refs():
     out = embedding_ref(table, torch.tensor([1, -1, 10, 9]))
     assert torch.equal(out[0], table[1]) and torch.equal(out[3], table[9])
     assert int(out[1].abs().sum()) == 0 and int(out[2].abs().sum()) == 0
+
+
+def test_swiglu_interleaved_is_silu_mul_ref_in_the_interleaved_order():
+    gate_up = torch.randn(3, 64).half()  # [T, 2F] as [gate | up], F = 32: two panels
+    y = gate_up[:, gate_up_order(64)]  # [T, 2F] interleaved: gate 0..7, up 0..7, gate 8..15, ...
+    assert torch.equal(y[:, 8:16], gate_up[:, 32:40]) and torch.equal(y[:, 16:24], gate_up[:, 8:16])
+    assert torch.equal(swiglu_interleaved(y), silu_mul_ref(gate_up))
+
+
+def test_silu_mul_interleaved_checks_arguments_before_touching_the_driver():
+    y = torch.randn(4, 32).half()
+    with pytest.raises(ValueError, match="on the GPU"):
+        silu_mul_interleaved(y)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        silu_mul_interleaved(torch.randn(4, 24).half())
+    with pytest.raises(ValueError, match=r"\[M, 2F\]"):
+        silu_mul_interleaved(torch.randn(32).half())
+    with pytest.raises(ValueError, match="y must be torch.float16"):
+        silu_mul_interleaved(y.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_mul_interleaved(torch.randn(4, 64).half()[:, :32])
 
 
 def test_sampling_params_and_reference_distribution():

@@ -34,6 +34,7 @@ def test_awq_launch_honours_forced_splits():
 
 def test_gemv_grid_and_token_tiles():
     assert [token_tile(m) for m in (1, 8, 9, 16, 40)] == [1, 1, 2, 2, 2]
+    assert [token_tile(m, 4) for m in (1, 8, 9, 16, 17, 32, 40)] == [1, 1, 2, 2, 4, 4, 4]
     assert gemv_grid(1, 4096) == (256, 1)
     assert gemv_grid(16, 4100) == (257, 1)
     assert gemv_grid(40, 16) == (1, 3)

@@ -12,7 +12,7 @@ def main() -> None:
     from kernels_cu.attention_decode import attention_decode, attention_decode_quant
     from kernels_cu.attention_prefill import attention_prefill
     from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
-    from kernels_cu.awq_gemv import awq_linear, awq_packed_dequantize, pack_for_gemv
+    from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
     from kernels_cu.int8_gemm import int8_gemm
@@ -55,6 +55,7 @@ def main() -> None:
                 ap = pack_for_gemv(aq, az, asc)
                 awq_linear(xm, ap, residual=r(M, F))
                 awq_linear(xm, pack_for_gemv(aq, az, asc, swiglu=True))
+                awq_batch_gemm(xm, ap, residual=r(M, F), splits=3)  # K split: partials, counters, last block
             awq_dequantize(aq, az, asc)
             awq_packed_dequantize(ap)
         B, L = 3, 300
