@@ -169,13 +169,7 @@ __device__ __forceinline__ void awq_batch(__half* __restrict__ y, const __half* 
                         mma_f16_16816(tmp[mt], a[0], a[1], a[2], a[3], word(xv[mt], 2 * d), word(xv[mt], 2 * d + 1));
                 }
             }
-#pragma unroll
-            for (int mt = 0; mt < MW; ++mt) {
-                acc[mt][0] = fmaf(tm.s[0], tmp[mt][0], acc[mt][0]);
-                acc[mt][1] = fmaf(tm.s[0], tmp[mt][1], acc[mt][1]);
-                acc[mt][2] = fmaf(tm.s[1], tmp[mt][2], acc[mt][2]);
-                acc[mt][3] = fmaf(tm.s[1], tmp[mt][3], acc[mt][3]);
-            }
+            awq_scale_add(acc, tmp, tm);
         }
     };
 

@@ -116,13 +116,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
                         mma_f16_16816(tmp[mt], a[0], a[1], a[2], a[3], word(xw, 2 * (j & 1)), word(xw, 2 * (j & 1) + 1));
                     }
                 }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    acc[mt][0] = fmaf(tm.s[0], tmp[mt][0], acc[mt][0]);
-                    acc[mt][1] = fmaf(tm.s[0], tmp[mt][1], acc[mt][1]);
-                    acc[mt][2] = fmaf(tm.s[1], tmp[mt][2], acc[mt][2]);
-                    acc[mt][3] = fmaf(tm.s[1], tmp[mt][3], acc[mt][3]);
-                }
+                awq_scale_add(acc, tmp, tm);
             }
         }
     };

@@ -41,4 +41,16 @@ __device__ __forceinline__ void awq_a_frag(const uint4 (&w)[2], int j, const Awq
     }
 }
 
+// acc += s * tmp for one group's mma sums of MT token tiles (c0, c1: row g, scale s[0]; c2, c3: row g + 8).
+template <int MT>
+__device__ __forceinline__ void awq_scale_add(float (&acc)[MT][4], const float (&tmp)[MT][4], const AwqTerms& tm) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        acc[mt][0] = fmaf(tm.s[0], tmp[mt][0], acc[mt][0]);
+        acc[mt][1] = fmaf(tm.s[0], tmp[mt][1], acc[mt][1]);
+        acc[mt][2] = fmaf(tm.s[1], tmp[mt][2], acc[mt][2]);
+        acc[mt][3] = fmaf(tm.s[1], tmp[mt][3], acc[mt][3]);
+    }
+}
+
 }  // namespace fllama
