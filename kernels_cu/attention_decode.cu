@@ -613,17 +613,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         }
     }
 
-    if (n_act > 1) {  // threadFenceReduction: publish the partial, count it, the last block combines
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            const int prev = atomicAdd(&counters[u], 1);
-            s_last = prev == n_act - 1;
-            if (s_last) atomicExch(&counters[u], 0);  // every block of this unit has counted
-        }
-        __syncthreads();
-        if (!s_last) return;
-        __threadfence();
+    if (n_act > 1) {  // publish the partial, count it, the last block of the unit combines
+        if (!last_block_arrives(&counters[u], n_act, s_last)) return;
         float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M)
         for (int h = warp; h < slots; h += WARPS) {
             const float* ml = part_ml + ((size_t)b * H + head0 + h) * S * 2;
@@ -658,16 +649,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         if (tid == 0 && kvh == 0 && hg == 0) a_scale[b] = __fdiv_rn(clamp_amax(*static_amax), 127.0f);
         return;
     }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        const int prev = atomicAdd(&counters[units + b], 1);
-        s_last = prev == Hkv * HG - 1;
-        if (s_last) atomicExch(&counters[units + b], 0);
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    if (!last_block_arrives(&counters[units + b], Hkv * HG, s_last)) return;
     // the row's last unit: per-token dynamic quantization over all H * D values (quantize.cu's rule)
     const uint4* row = reinterpret_cast<const uint4*>(out + out_row);
     const int nvec = H * D / 8;

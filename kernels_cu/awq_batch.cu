@@ -1,14 +1,15 @@
-// AWQ W4A16 GEMM for decode batches (9-64 tokens) on the engine's int4 layout (awq_layout.cuh; awq_gemv.py
+// AWQ W4A16 GEMM for decode batches (the engine takes it at 17-64 tokens) on the engine's int4 layout (awq_layout.cuh; awq_gemv.py
 // packs it): y[m, n] = sum over groups of s[g, n] * sum_{k in g} (q[k, n] - z[g, n]) * x[m, k].
 //
 // Why not awq_gemv.cu at these sizes: its block is one 16-channel panel whose warps split K, so every panel
 // reads all the activations again (at 32 tokens 256 KB per panel against the panel's 32 KB of weights: the
 // q|k|v GEMV moves 106 MB through L2 for 27 MB of weights) and each warp waits for them at the start of its
 // step (ncu, H200: DRAM at 15% of peak, tensor pipe at 16%). Here:
-//   block = 4 warps on 4 panels (64 channels, warp p on panel p) over the same k tiles, 8 * MT tokens;
+//   block = 4 panels (64 channels) over the same k tiles and 8 * MT tokens; warp (p, half) computes panel p
+//   for one half of the token tiles (4 warps at MT = 1, 8 from MT = 2: token_halves below);
 //   a stage = one 128-k tile: the 8 * MT token rows of activations (MT x 2 KB), the 4 panels' weights
 //   (4 KB) and group terms, copied to shared memory with cp.async STAGES - 1 tiles ahead, so the weights
-//   stream without registers and the four warps share one copy of the activations;
+//   stream without registers and the warps share one copy of the activations;
 //   lane (g, t)'s B fragment of mma j is 8 bytes of its token row at the lane's k run (the layout's k order:
 //   lane t's 32 k's of a tile are its runs of each group), read as 16-byte pieces from a row whose 16-byte
 //   chunks are permuted (swz below) so that the 8 lanes of a quarter-warp hit 8 distinct bank groups.
@@ -19,7 +20,7 @@
 // EPI 0: y fp16 [M, N];  1: + residual (fp16 add after rounding);  2: SwiGLU of a gate|up panel interleaved
 // by 8: y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up (awq_gemv.cu's rounding).
 // Entry points awq_batch_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, partial, counters,
-//   M, N, K, tiles, tiles_per_split); grid (N / 64, splits, ceil(M / (8 MT))), block 128,
+//   M, N, K, tiles, tiles_per_split); grid (N / 64, splits, ceil(M / (8 MT))), block 128 * token_halves,
 //   dynamic shared memory STAGES * stage bytes (awq_batch.py).
 #include "awq_layout.cuh"
 #include "common.cuh"
@@ -94,7 +95,7 @@ __device__ __forceinline__ void awq_batch(__half* __restrict__ y, const __half* 
     using St = Stage<MT, GPT>;
     extern __shared__ __align__(16) unsigned char smem[];
     St* st = reinterpret_cast<St*>(smem);
-    __shared__ bool s_last;
+    __shared__ int s_last;
 
     const int tid = threadIdx.x, lane = tid & 31, p = (tid >> 5) % WARPS, half = (tid >> 5) / WARPS;
     const int g = lane >> 2, t = lane & 3;
@@ -216,17 +217,7 @@ __device__ __forceinline__ void awq_batch(__half* __restrict__ y, const __half* 
             }
         }
     }
-    __threadfence();
-    __syncthreads();
-    const int unit = blockIdx.z * gridDim.x + blockIdx.x;
-    if (tid == 0) {
-        const int prev = atomicAdd(&counters[unit], 1);
-        s_last = prev == splits - 1;
-        if (s_last) atomicExch(&counters[unit], 0);  // every split of this column has counted
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
+    if (!last_block_arrives(&counters[blockIdx.z * gridDim.x + blockIdx.x], splits, s_last)) return;
     // (token row, panel, g) entries of the block's tile, each the pair of channels g and g + 8
     for (int e = tid; e < ROWS * WARPS * 8; e += THREADS) {
         const int row = e / (WARPS * 8), pg = e % (WARPS * 8);

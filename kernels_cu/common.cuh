@@ -74,6 +74,24 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// threadFenceReduction (the CUDA samples' name): every thread of a block calls it after writing the block's
+// partial results. Publishes them, counts the block in *counter and returns true in every thread of the last
+// of n blocks to arrive, which puts the counter back to zero for the next launch (one pool of counters then
+// serves every launch and CUDA graph). `flag` is a __shared__ int of the caller's; blockDim is 1-D.
+__device__ __forceinline__ bool last_block_arrives(int* counter, int n, int& flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(counter, 1);
+        flag = prev == n - 1;
+        if (flag) atomicExch(counter, 0);
+    }
+    __syncthreads();
+    if (!flag) return false;
+    __threadfence();  // the other blocks' partial results are read after this
+    return true;
+}
+
 // Symmetric int8: q = rint(v * inv) clamped to [-127, 127]; inv = 127 / amax computed once per row.
 __device__ __forceinline__ int8_t quantize_i8(float v, float inv) {
     float q = rintf(__fmul_rn(v, inv));
