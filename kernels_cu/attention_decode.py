@@ -40,8 +40,6 @@ BLOCK_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident b
 MAX_BLOCKS_PER_SM = 4  # the register budget (<= 128 per thread except d128 fp16, which smem caps at 3)
 
 
-
-
 @dataclass(frozen=True)
 class FusedLaunch:
     """Grid and shared memory of one fused launch: grid (splits, units), FUSED_THREADS threads."""

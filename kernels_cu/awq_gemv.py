@@ -135,7 +135,8 @@ def unpack_from_gemv(p: AwqPacked) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows, else w_hat + cuBLAS."""
+    """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows (the batch GEMM from
+    BATCH_MIN_M where N % 64 == 0), else w_hat + cuBLAS."""
     M = _check(x, p, residual)
     if BATCH_MIN_M <= M <= GEMV_MAX_M and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)

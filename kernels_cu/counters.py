@@ -9,7 +9,7 @@ import torch
 MIN_COUNT = 1 << 16  # counters kept per (pool, device); grown (never under capture) when a launch needs more
 
 _POOLS: dict[tuple[str, int], torch.Tensor] = {}  # (pool, device index) -> int32 counters
-_RETIRED: list[torch.Tensor] = []  # outgrown pools: graphs captured earlier still point at them
+_RETIRED: list[tuple[str, torch.Tensor]] = []  # outgrown (pool, counters): earlier graphs still point at them
 
 
 def counters(pool: str, device: torch.device, n: int) -> torch.Tensor:
@@ -22,7 +22,7 @@ def counters(pool: str, device: torch.device, n: int) -> torch.Tensor:
             raise RuntimeError(f"{pool} counters must grow to {n} during graph capture: run the same call once "
                                "before capturing")
         if have is not None:
-            _RETIRED.append(have)
+            _RETIRED.append((pool, have))
         have = _POOLS[(pool, index)] = torch.zeros(max(n, MIN_COUNT), dtype=torch.int32, device=device)  # [n]
     return have
 
@@ -34,9 +34,6 @@ def pools(pool: str) -> list[torch.Tensor]:
 
 def reset(pool: str | None = None) -> None:
     """Zero a pool's counters (all pools by default): only needed after a launch was aborted mid-way."""
-    for (name, _), t in _POOLS.items():
+    for name, t in [(name, t) for (name, _), t in _POOLS.items()] + _RETIRED:
         if pool is None or name == pool:
-            t.zero_()
-    if pool is None:
-        for t in _RETIRED:
             t.zero_()

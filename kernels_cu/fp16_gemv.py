@@ -4,7 +4,7 @@
 
 M <= 16: fp16_gemv, a tensor-core GEMV that streams the weight once (cuBLAS leaves a third of the
 bandwidth unused at M = 1). Larger M: cuBLAS tensor-core GEMM through torch, the residual added in its
-epilogue: fp16(fp32 sum + residual[m, n]), one rounding instead of the two above.
+epilogue (beta = 1; within the reference's tolerance of the rounded product + fp16 add above).
 
 SwiGLU: a gate|up weight interleaved by 8 (swiglu_layout.py) lets `fp16_swiglu` write silu(gate) * up from
 the GEMV's epilogue; beyond 16 rows silu_mul_interleaved does it in one kernel after cuBLAS.
