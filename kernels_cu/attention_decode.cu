@@ -302,12 +302,6 @@ struct Geom {
     static_assert(SLOTS * MAX_SPLITS * 4 <= NBUF * BUF_BYTES, "combine weights overflow the stage buffers");
 };
 
-__device__ __forceinline__ uint32_t dynamic_smem_size() {
-    uint32_t r;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-    return r;
-}
-
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok) {

@@ -214,47 +214,46 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     }
 }
 
-// w_hat [N, K] = fp16((q - z) * s): one thread per 16-byte chunk (32 values of one channel in one tile),
-// threads ordered (channel, tile, t) so that neighbours write neighbouring runs of a w_hat row (coalesced
-// 16-byte stores; the 16-byte reads of the packed layout are the scattered side, a quarter of the bytes).
-// Bit-identical to calibrate.awq_pack.dequantize_awq.
+// w_hat [N, K] = fp16((q - z) * s): one thread per 16 bytes of w_hat (8 consecutive k of one channel, which
+// are the 8 nibbles of one packed word), threads ordered (channel, tile, chunk c of the tile) so that a warp
+// stores 512 contiguous bytes of a w_hat row with each instruction. The reads (one word per thread, 64
+// contiguous bytes per 16 threads) are a fifth of the bytes. The first version gave each thread a lane's
+// 16-byte chunk (32 values): its four 16-byte stores per instruction were 64 bytes apart, half-sector
+// writes. Bit-identical to calibrate.awq_pack.dequantize_awq.
 template <int GPT>
 __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, const uint32_t* __restrict__ packed,
                                                    const uint32_t* __restrict__ terms, int N, int K, int tiles) {
-    constexpr int GS = TILE_K / GPT;
-    constexpr int MPG = 8 / GPT;
+    constexpr int GS = TILE_K / GPT;  // k's of one group-run
+    constexpr int MPG = 8 / GPT;      // a lane's runs of 4 k per group-run (two per packed word)
     pdl_enter();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)N * tiles * 4) return;
-    const int t = (int)(i & 3);
-    const size_t rest = i >> 2;
+    if (i >= (size_t)N * tiles * 16) return;
+    const int c = (int)(i & 15);  // w_hat k = tile * 128 + 8 c .. + 7
+    const size_t rest = i >> 4;
     const int tile = (int)(rest % tiles), n = (int)(rest / tiles);
+    const int k = tile * TILE_K + 8 * c;
+    if (k >= K) return;  // K % 8 == 0: the 8 values are all in or all out (padding dropped)
+    // Where k sits in the layout: group-run q, lane t's run of GS / 4 k's, the mma-run pair jj (even) in it,
+    // hence packed word w = (q * MPG + jj) / 2 of lane (g, t) (awq_gemv_layout in awq_gemv.py).
+    const int q = (8 * c) / GS, r = (8 * c) % GS;
+    const int t = r / (GS / 4), jj = (r % (GS / 4)) / 4;
+    const int w = (q * MPG + jj) >> 1;
     const int panel = n >> 4, h = (n >> 3) & 1, g = n & 7;
     const size_t pt = (size_t)panel * tiles + tile;
-    const uint4 w = *reinterpret_cast<const uint4*>(packed + ((pt * 2 + h) * 32 + g * 4 + t) * 4);
+    const uint32_t wd = packed[((pt * 2 + h) * 32 + g * 4 + t) * 4 + w];
+    const uint32_t v = terms[((pt * GPT + q) * 8 + g) * 2 + h];
+    const __half2 zlo = bits_h2(prmt(v, v, 0x3232));
+    const __half2 zhi = __hsub2(bits_h2(FP16_960), zlo);
+    const __half2 s = bits_h2(prmt(v, v, 0x1010));
+    uint32_t o[4];
 #pragma unroll
-    for (int q = 0; q < GPT; ++q) {
-        const uint32_t v = terms[((pt * GPT + q) * 8 + g) * 2 + h];
-        const __half2 zlo = bits_h2(prmt(v, v, 0x3232));
-        const __half2 zhi = __hsub2(bits_h2(FP16_960), zlo);
-        const __half2 s = bits_h2(prmt(v, v, 0x1010));
-#pragma unroll
-        for (int jj = 0; jj < MPG; jj += 2) {  // two mma runs of 4 k = 8 consecutive k: one 16-byte store
-            uint32_t o[4];
-#pragma unroll
-            for (int d = 0; d < 2; ++d) {
-                const int j = q * MPG + jj + d;
-                const uint32_t wd = word(w, j >> 1) >> ((j & 1) * 8);
-                o[2 * d] = h2_bits(__hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x000f000f, FP16_1024)), zlo), s));
-                o[2 * d + 1] = h2_bits(__hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wd, 0x00f000f0, FP16_1024)),
-                                                          bits_h2(FP16_ONE_SIXTEENTH), zhi), s));
-            }
-            const int k = tile * TILE_K + q * GS + t * (GS / 4) + 4 * jj;
-            if (k < K) {  // K % 8 == 0 and k % 8 == 0: the 8 values are all in or all out (padding dropped)
-                *reinterpret_cast<uint4*>(w_hat + (size_t)n * K + k) = make_uint4(o[0], o[1], o[2], o[3]);
-            }
-        }
+    for (int d = 0; d < 2; ++d) {  // the word's two mma runs of 4 k: positions 0-3 and 4-7 of the 8
+        const uint32_t wdd = wd >> (d * 8);
+        o[2 * d] = h2_bits(__hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wdd, 0x000f000f, FP16_1024)), zlo), s));
+        o[2 * d + 1] = h2_bits(__hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wdd, 0x00f000f0, FP16_1024)),
+                                                  bits_h2(FP16_ONE_SIXTEENTH), zhi), s));
     }
+    *reinterpret_cast<uint4*>(w_hat + (size_t)n * K + k) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 }  // namespace
@@ -283,7 +282,7 @@ FLLAMA_AWQ_GEMV_EPIS(1, 1, 2, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3, 3) FLLAMA_AWQ_GEM
 FLLAMA_AWQ_GEMV_GROUPS(2, 2)
 FLLAMA_AWQ_GEMV_GROUPS(4, 1)
 
-// (w_hat fp16 [N,K], packed, terms, int N, int K, int tiles); one thread per 16-byte chunk
+// (w_hat fp16 [N,K], packed, terms, int N, int K, int tiles); one thread per 16 bytes of w_hat
 #define FLLAMA_AWQ_PACKED_DEQUANT(GPT)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) awq_packed_dequant_g##GPT(                           \
         __half* w_hat, const uint32_t* packed, const uint32_t* terms, int N, int K, int tiles) {           \

@@ -22,6 +22,7 @@ from calibrate.awq_pack import unpack_awq
 from kernels_cu import awq_batch, build
 from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, token_tile
+from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
 from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved
 
 TILE_K = 128
@@ -142,16 +143,13 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
         return awq_batch.launch(x, p, residual, out)
     if M <= GEMV_MAX_M:
         return _gemv(x, p, residual, out)
+    # Prefill: w_hat, then fp16's cuBLAS path (residual in cuBLAS's epilogue, in place when out is the
+    # residual; SwiGLU of the interleaved product in one kernel).
     with build.on_stream():
-        y = torch.matmul(x, awq_packed_dequantize(p).t())  # [M, N]
+        w_hat = awq_packed_dequantize(p)  # [N, K]
         if p.swiglu:
-            y = swiglu_interleaved(y)  # [M, N/2]
-        elif residual is not None:
-            y.add_(residual)
-        if out is not None:
-            out.copy_(y)
-            y = out
-    return y
+            return fp16_swiglu(x, w_hat, out)  # [M, N/2]
+        return fp16_linear(x, w_hat, residual, out)  # [M, N]
 
 
 def awq_gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
@@ -194,7 +192,7 @@ def awq_packed_dequantize(p: AwqPacked, out: torch.Tensor | None = None) -> torc
     of the packed weight)."""
     with build.on_stream():
         w_hat = out_or_new(out, (p.n, p.k), torch.float16, p.packed, "out")
-        chunks = p.n * p.tiles * 4  # one thread per (channel, tile, lane t) 16-byte chunk
+        chunks = p.n * p.tiles * 16  # one thread per 16 bytes of w_hat (a tile of a channel is 256 bytes)
         fn = build.get_function("awq_gemv.cu", f"awq_packed_dequant_g{p.gpt}", "PPPiii")
         fn((cdiv(chunks, 256),), (256,), w_hat, p.packed, p.terms, p.n, p.k, p.tiles)
     return w_hat

@@ -129,6 +129,14 @@ __device__ __forceinline__ float half8_absmax(const Half8& v) {
     return m;
 }
 
+// The dynamic shared memory this launch was given: kernels with a fixed layout trap when the launcher
+// passed less (a mismatch between a .cu layout and its .py launcher, never a user error).
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
 // How a row kernel ends: fp16 out, int8 with a per-row dynamic scale, or int8 with a static amax.
 // SiLU as torch computes F.silu on fp16: in fp32 (g / (1 + exp(-g))), rounded once to fp16.
 __device__ __forceinline__ __half silu_h(float g) {

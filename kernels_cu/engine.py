@@ -23,7 +23,7 @@ from kernels_cu import build
 from kernels_cu.attention_decode import attention_decode, attention_decode_quant
 from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
-from kernels_cu.awq_gemv import awq_linear, gemv_takes, pack_for_gemv
+from kernels_cu.awq_gemv import GEMV_MAX_M as AWQ_GEMV_MAX_M, awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.embedding import embedding
 from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
@@ -111,7 +111,10 @@ class AwqOp:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            return awq_linear(x, self.packed, residual)
+            # Beyond the GEMV's rows the product goes through cuBLAS, which adds the residual in place as for
+            # Fp16Op: the layer's residual stream is dead after this op.
+            out = residual if residual is not None and x.shape[0] > AWQ_GEMV_MAX_M else None
+            return awq_linear(x, self.packed, residual, out)
         return awq_gemm(x, *self.awq, residual)
 
     def nbytes(self) -> int:
@@ -371,7 +374,7 @@ class Engine:
             def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q [T, nh, d]
                 outs = [attention_prefill(q[b * S:(b + 1) * S], cache.k[i], cache.v[i], r, starts[b], *cache.scales(i))
                         for b, r in enumerate(rows)]  # each [S, nh, d]
-                return torch.cat(outs).reshape(B * S, c.q_size)
+                return (outs[0] if B == 1 else torch.cat(outs)).reshape(B * S, c.q_size)  # no copy for one row
 
             for i in range(c.n_layers):
                 h = self._layer(i, h, pos, row, cache, attend)

@@ -110,6 +110,14 @@ __device__ __forceinline__ void cp_async_wait() {  // at most PENDING groups of 
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
 }
 
+// The W8A8 dequant epilogue (int8_gemm.cu, int8_wgmma.cu): two roundings in this order, like
+// calibrate.int8.int8_gemm_ref; the residual is added after the fp16 rounding, as the reference model adds
+// two fp16 tensors.
+__device__ __forceinline__ __half int8_epilogue(int acc, float a_scale, float w_scale, const __half* residual) {
+    const __half y = __float2half_rn(__fmul_rn(__fmul_rn((float)acc, a_scale), w_scale));
+    return residual ? __hadd_rn(y, *residual) : y;
+}
+
 // The activation rows a lane feeds as the mma's B operand: token m0 + 8 mt + g of each of its MT token tiles,
 // starting at element `offset` of the row. Rows past M point at row 0 and are flagged, so loads stay in bounds.
 template <int MT, typename T>

@@ -21,13 +21,6 @@ constexpr int WARPS = 8;
 constexpr int UNROLL = 4;  // 64-wide k tiles in flight per warp: 8 x 16-byte weight loads per lane
 constexpr int TILE_K = 64;
 
-__device__ __forceinline__ __half epilogue(int acc, float a_scale, float w_scale, const __half* residual) {
-    // Two roundings in this order, like calibrate.int8.int8_gemm_ref; the residual is added after the
-    // fp16 rounding, as the reference model adds two fp16 tensors.
-    const __half y = __float2half_rn(__fmul_rn(__fmul_rn((float)acc, a_scale), w_scale));
-    return residual ? __hadd_rn(y, *residual) : y;
-}
-
 template <int MT, bool RESIDUAL>
 __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* __restrict__ qx,
                                           const float* __restrict__ a_scale, int a_stride,
@@ -72,7 +65,7 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
     const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
     if (n < N && m < M) {
         const size_t o = (size_t)m * N + n;
-        y[o] = epilogue(sum, a_scale[(size_t)m * a_stride], w_scale[n], RESIDUAL ? residual + o : nullptr);
+        y[o] = int8_epilogue(sum, a_scale[(size_t)m * a_stride], w_scale[n], RESIDUAL ? residual + o : nullptr);
     }
 }
 
@@ -88,10 +81,10 @@ __device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* 
     const float4 ws = *reinterpret_cast<const float4*>(w_scale + n);
     const float as = a_scale[(size_t)m * a_stride];
     __half h[4];
-    h[0] = epilogue(a.x, as, ws.x, RESIDUAL ? residual + i : nullptr);
-    h[1] = epilogue(a.y, as, ws.y, RESIDUAL ? residual + i + 1 : nullptr);
-    h[2] = epilogue(a.z, as, ws.z, RESIDUAL ? residual + i + 2 : nullptr);
-    h[3] = epilogue(a.w, as, ws.w, RESIDUAL ? residual + i + 3 : nullptr);
+    h[0] = int8_epilogue(a.x, as, ws.x, RESIDUAL ? residual + i : nullptr);
+    h[1] = int8_epilogue(a.y, as, ws.y, RESIDUAL ? residual + i + 1 : nullptr);
+    h[2] = int8_epilogue(a.z, as, ws.z, RESIDUAL ? residual + i + 2 : nullptr);
+    h[3] = int8_epilogue(a.w, as, ws.w, RESIDUAL ? residual + i + 3 : nullptr);
     *reinterpret_cast<uint2*>(y + i) = *reinterpret_cast<const uint2*>(h);
 }
 

@@ -4,8 +4,9 @@
     y[m, n]   = fp16((float(acc) * a_scale[m]) * w_scale[n])          (+ residual[m, n], an fp16 add)
 
 M <= 16 (decode): int8_gemv, a memory-bound tensor-core kernel that reads each weight byte once.
-M > 16 (prefill): torch._int_mm (cuBLASLt int8, needs M > 16 and K, N multiples of 8) and the fused
-dequant epilogue kernel. a_scale holds one scale per token [M] or one for the tensor [1].
+From int8_wgmma.MIN_M tokens on Hopper: int8_wgmma.cu, a wgmma GEMM with the epilogue fused. Other M > 16:
+torch._int_mm (cuBLASLt int8, needs M > 16 and K, N multiples of 8) and the dequant epilogue kernel.
+a_scale holds one scale per token [M] or one for the tensor [1].
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from calibrate.int8 import int8_gemm_ref as _contract_gemm
-from kernels_cu import build
+from kernels_cu import build, int8_wgmma
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, cdiv, gemv_grid, token_tile
 
@@ -30,6 +31,8 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
+        if int8_wgmma.takes(q_x, N):
+            return int8_wgmma.launch(q_x, a_scale, qweight, w_scale, residual, y)
         if M > DECODE_MAX_M and N % 8 == 0:
             acc = torch._int_mm(q_x, qweight.t())  # [M, N] int32 (cuBLASLt, TN layout)
             fn = build.get_function("int8_gemm.cu", f"int8_dequant{res}", "PPPiPPii")

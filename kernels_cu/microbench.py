@@ -18,10 +18,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels_cu import build
+from kernels_cu import build, int8_wgmma
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
-from kernels_cu.awq_gemv import AwqPacked, awq_batch_gemm, awq_gemv, awq_packed_dequantize, pack_for_gemv
+from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear, awq_packed_dequantize,
+                                 pack_for_gemv)
 from kernels_cu.fp16_gemv import fp16_gemv
 from kernels_cu.int8_gemm import int8_gemm
 
@@ -41,6 +42,7 @@ class Row:
     pct_copy: float
     torch_us: float | None
     torch_what: str
+    tflops: float | None = None  # prefill GEMM rows: 2 M K N / time (GB/s and % copy are then of the weights)
 
 
 def time_graph(fn: Callable[[int], object], n_copies: int) -> float:
@@ -95,6 +97,33 @@ def bench_int8(m: int, k: int, n: int, bw: float) -> Row:
     xi = torch.randint(-127, 128, (17, k), dtype=torch.int8, device="cuda")
     t_us = time_graph(lambda i: torch._int_mm(xi, w[i].t()), nc)
     return Row("int8", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "_int_mm M=17")
+
+
+def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
+    """Prefill-sized GEMMs: fp16 cuBLAS, int8 (the wgmma kernel on Hopper; the _int_mm + epilogue path it
+    replaced), AWQ (dequantize + cuBLAS)."""
+    nc = 2
+    flop = 2 * m * k * n
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(nc)]
+    w8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda") for _ in range(nc)]
+    ws = torch.rand(n, device="cuda") * 0.01 + 1e-3
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda")
+    a = torch.rand(m, device="cuda") * 0.01 + 1e-3
+    awq = [random_awq_packed(k, n, 128) for _ in range(nc)]
+
+    def row(op: str, us: float, wbytes: float) -> Row:
+        return Row(op, f"{k}x{n}", m, us, wbytes / us / 1e3, 100 * wbytes / us / 1e3 / bw, None, "", flop / us / 1e6)
+
+    rows = [row("fp16 cuBLAS", time_graph(lambda i: torch.matmul(x, w16[i].t()), nc), 2 * n * k)]
+    rows.append(row("int8 gemm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
+    saved, int8_wgmma.MIN_M = int8_wgmma.MIN_M, 1 << 30  # the path it replaced: torch._int_mm + int8_dequant
+    try:
+        rows.append(row("int8 _int_mm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
+    finally:
+        int8_wgmma.MIN_M = saved
+    rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
+    return rows
 
 
 def bench_fp16(m: int, k: int, n: int, bw: float) -> Row:
@@ -185,7 +214,8 @@ def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,8,16,32", help="token counts for the GEMV rows")
-    ap.add_argument("--only", default="fp16,int8,awq,attn,dequant", help="which groups to run")
+    ap.add_argument("--only", default="fp16,int8,awq,attn,dequant", help="which groups to run (+ prefill)")
+    ap.add_argument("--prefill-ms", default="2048", help="token counts for the prefill GEMM rows")
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
     ap.add_argument("--batch-splits", default="", help="also sweep the AWQ batch GEMM's K splits, e.g. 1,2,4")
     ap.add_argument("--json", default="", help="write the rows to this file")
@@ -214,12 +244,15 @@ def main(argv: list[str] | None = None) -> None:
     if "dequant" in only:
         rows += [bench_awq_dequant(k, n, bw) for _, k, n in SHAPES_7B]
         rows += [bench_awq_packed_dequant(k, n, bw) for _, k, n in SHAPES_7B]
+    if "prefill" in only:
+        rows += [r for m in map(int, args.prefill_ms.split(",")) for _, k, n in SHAPES_7B for r in bench_prefill(m, k, n, bw)]
     if "attn" in only:
         rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
-    print(f"{'op':<14}{'shape':<14}{'M':>4}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
+    print(f"{'op':<14}{'shape':<14}{'M':>5}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
     for r in rows:
         t = f"{r.torch_us:10.2f}  {r.torch_us / r.us:.2f}x {r.torch_what}" if r.torch_us else ""
-        print(f"{r.op:<14}{r.shape:<14}{r.m:>4}{r.us:9.2f}{r.gbps:8.0f}{r.pct_copy:7.1f}{t}")
+        t += f"{r.tflops:10.0f} TFLOP/s" if r.tflops else ""
+        print(f"{r.op:<14}{r.shape:<14}{r.m:>5}{r.us:9.2f}{r.gbps:8.0f}{r.pct_copy:7.1f}{t}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info, "copy_gbps": bw, "rows": [asdict(r) for r in rows]}, f, indent=1)
