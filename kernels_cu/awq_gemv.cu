@@ -234,7 +234,7 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
     const int k = tile * TILE_K + 8 * c;
     if (k >= K) return;  // K % 8 == 0: the 8 values are all in or all out (padding dropped)
     // Where k sits in the layout: group-run q, lane t's run of GS / 4 k's, the mma-run pair jj (even) in it,
-    // hence packed word w = (q * MPG + jj) / 2 of lane (g, t) (awq_gemv_layout in awq_gemv.py).
+    // hence packed word w = (q * MPG + jj) / 2 of lane (g, t) (_k_order in awq_gemv.py).
     const int q = (8 * c) / GS, r = (8 * c) % GS;
     const int t = r / (GS / 4), jj = (r % (GS / 4)) / 4;
     const int w = (q * MPG + jj) >> 1;
@@ -242,18 +242,7 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
     const size_t pt = (size_t)panel * tiles + tile;
     const uint32_t wd = packed[((pt * 2 + h) * 32 + g * 4 + t) * 4 + w];
     const uint32_t v = terms[((pt * GPT + q) * 8 + g) * 2 + h];
-    const __half2 zlo = bits_h2(prmt(v, v, 0x3232));
-    const __half2 zhi = __hsub2(bits_h2(FP16_960), zlo);
-    const __half2 s = bits_h2(prmt(v, v, 0x1010));
-    uint32_t o[4];
-#pragma unroll
-    for (int d = 0; d < 2; ++d) {  // the word's two mma runs of 4 k: positions 0-3 and 4-7 of the 8
-        const uint32_t wdd = wd >> (d * 8);
-        o[2 * d] = h2_bits(__hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wdd, 0x000f000f, FP16_1024)), zlo), s));
-        o[2 * d + 1] = h2_bits(__hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wdd, 0x00f000f0, FP16_1024)),
-                                                  bits_h2(FP16_ONE_SIXTEENTH), zhi), s));
-    }
-    *reinterpret_cast<uint4*>(w_hat + (size_t)n * K + k) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4*>(w_hat + (size_t)n * K + k) = awq_w_hat8(wd, v);
 }
 
 }  // namespace

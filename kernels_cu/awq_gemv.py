@@ -6,8 +6,9 @@
                                                             GS-group, GS = gcd(G, 128): 32, 64 or 128)
 
 M <= GEMV_MAX_M: awq_gemv (y = sum_groups s * sum_k (q - z) x, fp32), or from BATCH_MIN_M tokens on the
-awq_batch.cu GEMM (4 panels per block sharing the activations through shared memory); larger M: dequantize to
-w_hat [N, K] = fp16((q - z) * s) and cuBLAS. With `swiglu` the gate|up weight's channels are interleaved
+awq_batch.cu GEMM (4 panels per block sharing the activations through shared memory); larger M: w_hat [N, K]
+= fp16((q - z) * s) written by awq_packed_dequant, then cuBLAS (awq_wgmma.cu, the fused Hopper GEMM, is
+slower than this so far: awq_wgmma.py). With `swiglu` the gate|up weight's channels are interleaved
 by 8 per panel of 16 and the GEMV writes silu(gate) * up directly (one kernel instead of two).
 """
 
@@ -137,7 +138,7 @@ def unpack_from_gemv(p: AwqPacked) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows (the batch GEMM from
-    BATCH_MIN_M where N % 64 == 0), else w_hat + cuBLAS."""
+    BATCH_MIN_M where N % 64 == 0), else w_hat + cuBLAS (awq_wgmma.py says why not its fused GEMM)."""
     M = _check(x, p, residual)
     if BATCH_MIN_M <= M <= GEMV_MAX_M and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)

@@ -53,4 +53,22 @@ __device__ __forceinline__ void awq_scale_add(float (&acc)[MT][4], const float (
     }
 }
 
+// w_hat = fp16((q - z) * s) of the 8 values one packed word holds (positions 0-7 of a lane's run: the word's
+// two mma runs of 4 k), bit for bit calibrate.awq_pack.dequantize_awq: q - z exact by the magic numbers,
+// one fp16 rounding in the product with s. `term` is the group's word (fp16 s | fp16 1024 + z << 16).
+__device__ __forceinline__ uint4 awq_w_hat8(uint32_t wd, uint32_t term) {
+    const __half2 zlo = bits_h2(prmt(term, term, 0x3232));
+    const __half2 zhi = __hsub2(bits_h2(FP16_960), zlo);
+    const __half2 s = bits_h2(prmt(term, term, 0x1010));
+    uint32_t o[4];
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+        const uint32_t wdd = wd >> (d * 8);
+        o[2 * d] = h2_bits(__hmul2_rn(__hsub2(bits_h2(lop3<LOP3_AND_OR>(wdd, 0x000f000f, FP16_1024)), zlo), s));
+        o[2 * d + 1] = h2_bits(__hmul2_rn(__hfma2(bits_h2(lop3<LOP3_AND_OR>(wdd, 0x00f000f0, FP16_1024)),
+                                                  bits_h2(FP16_ONE_SIXTEENTH), zhi), s));
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 }  // namespace fllama

@@ -142,6 +142,12 @@ def device_arch(cc: tuple[int, int] | None = None) -> str:
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
 
+@functools.lru_cache(maxsize=None)
+def has_wgmma(device_index: int) -> bool:
+    """Whether the GPU runs the wgmma prefill GEMMs (int8_wgmma.cu, awq_wgmma.cu): sm_90 (Hopper) only."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
 def _gencode(arch: str) -> str:
     return f"-gencode=arch=compute_{arch[3:]},code={arch}"
 

@@ -4,7 +4,7 @@
     y[m, n]   = fp16((float(acc) * a_scale[m]) * w_scale[n])          (+ residual[m, n], an fp16 add)
 
 M <= 16 (decode): int8_gemv, a memory-bound tensor-core kernel that reads each weight byte once.
-From int8_wgmma.MIN_M tokens on Hopper: int8_wgmma.cu, a wgmma GEMM with the epilogue fused. Other M > 16:
+On Hopper, where its grid fills the SMs: int8_wgmma.cu, a wgmma GEMM with the epilogue fused. Other M > 16:
 torch._int_mm (cuBLASLt int8, needs M > 16 and K, N multiples of 8) and the dequant epilogue kernel.
 a_scale holds one scale per token [M] or one for the tensor [1].
 """

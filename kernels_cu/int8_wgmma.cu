@@ -22,6 +22,7 @@
 // (read once from DRAM) and the activations (M x K bytes) stay in L2. Dynamic shared memory SMEM_BYTES.
 #include "common.cuh"
 #include "gemm_common.cuh"
+#include "wgmma.cuh"
 
 using namespace fllama;
 
@@ -32,54 +33,15 @@ constexpr int THREADS = 256;
 constexpr int STAGES = 4, PREFETCH = 2;
 constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK;  // 16 KB + 32 KB per stage
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int ALIGN = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 B
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + ALIGN;  // the launcher's dynamic shared memory
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + SW128_ALIGN;  // the launcher's dynamic shared memory
 static_assert(PREFETCH + 2 <= STAGES, "a copy may only overwrite the buffer of the tile two back");
 
-// wgmma shared-memory matrix descriptor for a K-major tile in the 128-byte swizzle: start address >> 4 (bits
-// 0-13), leading-dimension offset (unused for this layout: 1), stride between 8-row groups 1024 B (bits
-// 32-45), swizzle mode 1 = 128 B (bits 62-63).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           ((uint64_t)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Pins the accumulators in their registers across the asynchronous wgmma (no compiler copies of them
-// between issue and wait, which would make ptxas serialize the wgmma: warning C7514).
-__device__ __forceinline__ void fence_operands(int (&d)[128]) {
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(d[i])::"memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-#define FLLAMA_D4(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3])
-#define FLLAMA_D16(i) FLLAMA_D4(i), FLLAMA_D4(i + 4), FLLAMA_D4(i + 8), FLLAMA_D4(i + 12)
-#define FLLAMA_D64(i) FLLAMA_D16(i), FLLAMA_D16(i + 16), FLLAMA_D16(i + 32), FLLAMA_D16(i + 48)
-
-// d[128] (this thread's share of the 64 x 256 int32 tile) += A (64 x 32 s8) * B (256 x 32 s8)^T.
-// Fragment of d: d[4j + {0,1}] = (row 16 warp + lane / 4, cols 8j + 2 (lane % 4) + {0,1}), d[4j + {2,3}] the
-// same 8 rows further (warp = warp index inside the warpgroup).
+// d[128] (this thread's share of the warpgroup's 64 x 256 int32 tile) += A (64 x 32 s8) * B (256 x 32 s8)^T.
 __device__ __forceinline__ void wgmma_s8_m64n256k32(int (&d)[128], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p;\n}\n"
-        : FLLAMA_D64(0), FLLAMA_D64(64)
-        : "l"(da), "l"(db));
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 " FLLAMA_D128_LIST ", %128, %129, p;\n}\n"
+                 : FLLAMA_D128("+r")
+                 : "l"(da), "l"(db));
 }
 
 template <bool RESIDUAL>
@@ -89,7 +51,7 @@ __device__ __forceinline__ void int8_wgmma(__half* __restrict__ y, const int8_t*
                                            const __half* __restrict__ residual, int M, int N, int K) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)SMEM_BYTES) __trap();  // the launcher disagrees with this layout
-    unsigned char* smem = smem_raw + ((ALIGN - ((uint32_t)__cvta_generic_to_shared(smem_raw) & (ALIGN - 1))) & (ALIGN - 1));
+    unsigned char* smem = sw128_base(smem_raw);
     const uint32_t smem_addr = (uint32_t)__cvta_generic_to_shared(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
@@ -112,7 +74,7 @@ __device__ __forceinline__ void int8_wgmma(__half* __restrict__ y, const int8_t*
         b_ok[i] = n < N;
         b_src[i] = qweight + (size_t)(b_ok[i] ? n : 0) * K + 16 * c;
     }
-    const int dst = r0 * BK + ((c ^ (r0 & 7)) << 4);  // rows r0 + 32 i keep r0's swizzle (32 % 8 == 0)
+    const int dst = sw128(r0, c);  // rows r0 + 32 i keep r0's swizzle (32 % 8 == 0)
 
     pdl_wait();  // x (and the residual) come from the previous kernel
     auto load_tile = [&](int kt) {
@@ -143,7 +105,7 @@ __device__ __forceinline__ void int8_wgmma(__half* __restrict__ y, const int8_t*
         cp_async_commit();
         const uint32_t sa = smem_addr + (kt % STAGES) * STAGE_BYTES + wg * (64 * BK);
         const uint32_t sb = smem_addr + (kt % STAGES) * STAGE_BYTES + A_BYTES;
-        const uint64_t da = smem_desc(sa), db = smem_desc(sb);
+        const uint64_t da = sw128_desc(sa), db = sw128_desc(sb);
         fence_operands(d);
         wgmma_fence();
 #pragma unroll

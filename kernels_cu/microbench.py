@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels_cu import build, int8_wgmma
+from kernels_cu import awq_wgmma, build, int8_wgmma
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
 from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear, awq_packed_dequantize,
@@ -100,8 +100,9 @@ def bench_int8(m: int, k: int, n: int, bw: float) -> Row:
 
 
 def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
-    """Prefill-sized GEMMs: fp16 cuBLAS, int8 (the wgmma kernel on Hopper; the _int_mm + epilogue path it
-    replaced), AWQ (dequantize + cuBLAS)."""
+    """Prefill-sized GEMMs: fp16 cuBLAS; int8 as int8_gemm runs it (the wgmma kernel on Hopper) and the
+    _int_mm + epilogue path it replaced; AWQ as awq_linear runs it (dequantize + cuBLAS) and the fused wgmma
+    kernel."""
     nc = 2
     flop = 2 * m * k * n
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -117,12 +118,15 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
 
     rows = [row("fp16 cuBLAS", time_graph(lambda i: torch.matmul(x, w16[i].t()), nc), 2 * n * k)]
     rows.append(row("int8 gemm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
-    saved, int8_wgmma.MIN_M = int8_wgmma.MIN_M, 1 << 30  # the path it replaced: torch._int_mm + int8_dequant
+    saved, int8_wgmma.takes = int8_wgmma.takes, lambda q_x, n: False  # the other path: _int_mm + int8_dequant
     try:
         rows.append(row("int8 _int_mm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
     finally:
-        int8_wgmma.MIN_M = saved
+        int8_wgmma.takes = saved
     rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
+    if awq_wgmma.takes(x, awq[0]):  # the fused kernel the engine does not use yet (awq_wgmma.py)
+        rows.append(row("awq wgmma", time_graph(lambda i: awq_wgmma.launch(x, awq[i], None, None), nc),
+                        awq[0].nbytes()))
     return rows
 
 

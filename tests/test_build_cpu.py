@@ -43,6 +43,7 @@ ENTRY_POINTS = {
     "awq_batch.cu": [f"awq_batch_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4)
                      for e in ("plain", "res", "silu")],
     "int8_wgmma.cu": ["int8_wgmma", "int8_wgmma_res"],
+    "awq_wgmma.cu": ["awq_wgmma_plain", "awq_wgmma_res", "awq_wgmma_silu"],
     "embedding.cu": ["embedding_i32", "embedding_i64"],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
     "sampling.cu": ["sample_f16", "sample_f32"],

@@ -24,7 +24,7 @@ for step in "$@"; do
           --markdown "$out/pdl_$v.md" > /dev/null 2>&1; grep -E "^\| (fp16|int8|awq)" "$out/pdl_$v.md" | cut -d"|" -f2,3,4,6,7
       done ;;
     awqtests) timeout 300 python -m pytest -m gpu tests/gpu/test_awq_gemv.py tests/gpu/test_engine.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
-    wgmma) timeout 300 python -m pytest -m gpu tests/gpu/test_int8_wgmma.py tests/gpu/test_int8_gemm.py tests/gpu/test_awq_gemv.py \
+    wgmma) timeout 300 python -m pytest -m gpu tests/gpu/test_awq_wgmma.py tests/gpu/test_int8_wgmma.py tests/gpu/test_int8_gemm.py tests/gpu/test_awq_gemv.py \
         -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
     microprefill) timeout 200 python -m kernels_cu.microbench --only prefill,dequant --prefill-ms ${PREFILL_MS:-2048} 2>&1 | tail -n 30 ;;
     microawq) timeout 200 python -m kernels_cu.microbench --only awq --ms 1,8,16,32 2>&1 | tail -n 40 ;;

@@ -15,6 +15,7 @@ def main() -> None:
     from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
+    from kernels_cu import awq_wgmma, int8_wgmma
     from kernels_cu.int8_gemm import int8_gemm
     from kernels_cu.quantize import quantize
     from kernels_cu.rmsnorm import add_rmsnorm, add_rmsnorm_quant, rmsnorm, rmsnorm_quant
@@ -58,6 +59,13 @@ def main() -> None:
                 awq_batch_gemm(xm, ap, residual=r(M, F), splits=3)  # K split: partials, counters, last block
             awq_dequantize(aq, az, asc)
             awq_packed_dequantize(ap)
+        if build.has_wgmma(torch.cuda.current_device()):  # the Hopper prefill GEMMs, ragged tiles and tails
+            xm = r(130, H)
+            qw, ws = quantize_weight_int8(r(200, H).float())
+            qx, sx = quantize(xm)
+            int8_wgmma.launch(qx, sx, qw, ws, r(130, 200), None)
+            p128 = pack_for_gemv(*quantize_awq(r(272, 640).float(), 128))
+            awq_wgmma.launch(r(130, 640), p128, r(130, 272), None)
         B, L = 3, 300
         for kv8 in (False, True):
             kc = torch.zeros(B, nkv, L, d, device=dev, dtype=torch.int8 if kv8 else torch.float16)

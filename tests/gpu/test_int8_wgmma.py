@@ -11,12 +11,12 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, poison, ran
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu import int8_wgmma  # noqa: E402
+from kernels_cu import build, int8_wgmma  # noqa: E402
 from kernels_cu.int8_gemm import int8_gemm, int8_gemm_ref  # noqa: E402
 from tests.gpu.test_int8_gemm import codes, scales  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() and int8_wgmma.available(torch.cuda.current_device())),
+    not (torch.cuda.is_available() and build.has_wgmma(torch.cuda.current_device())),
     reason="wgmma needs an sm_90 GPU")]
 
 
@@ -63,9 +63,12 @@ def test_extreme_sums_stay_exact():
     assert_equal(y, ref, "extreme")
 
 
-def test_int8_gemm_takes_it_from_min_m():
-    q_x, qweight, w_scale = codes(int8_wgmma.MIN_M, 4096, seed=1), codes(4096, 4096, seed=2), scales(4096, 3)
-    assert int8_wgmma.takes(q_x, 4096)
-    assert not int8_wgmma.takes(q_x[:int8_wgmma.MIN_M - 1], 4096)
-    y = int8_gemm(q_x, scales(int8_wgmma.MIN_M, 4) * 0.1, qweight, w_scale * 0.1)
-    assert_equal(y, int8_gemm_ref(q_x, scales(int8_wgmma.MIN_M, 4) * 0.1, qweight, w_scale * 0.1), "dispatch")
+def test_int8_gemm_takes_it_where_the_grid_fills_the_sms():
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    q_x, qweight, w_scale = codes(2048, 1024, seed=1), codes(4096, 1024, seed=2), scales(4096, 3)
+    assert int8_wgmma.takes(q_x, 4096)  # 16 x 16 blocks
+    assert not int8_wgmma.takes(q_x[:128], 4096)  # 1 x 16
+    assert int8_wgmma.takes(q_x[:128], 256 * sms) and not int8_wgmma.takes(q_x[:128], 256 * (sms - 1))
+    a_scale = scales(2048, 4) * 0.1
+    y = int8_gemm(q_x, a_scale, qweight, w_scale * 0.1)
+    assert_equal(y, int8_gemm_ref(q_x, a_scale, qweight, w_scale * 0.1), "dispatch")

@@ -1,0 +1,71 @@
+// Hopper warpgroup MMA (wgmma, sm_90a) helpers of the prefill GEMMs (int8_wgmma.cu, awq_wgmma.cu).
+//
+// Shared-memory operands are K-major tiles of 128-byte rows in the 128-byte swizzle: the 16-byte chunk c of
+// row r is stored at chunk c ^ (r % 8), so that cp.async / st.shared writes of 8 consecutive rows and the
+// tensor cores' reads are both free of bank conflicts. Tiles start 1024-byte aligned (the pattern repeats
+// every 8 rows); a descriptor steps along K by advancing its start address (32 bytes per k32 of int8 or
+// k16 of fp16).
+// Accumulators: a warpgroup's m64n256 tile is 128 registers per thread; d[4j + {0,1}] = (row 16 w + lane / 4,
+// cols 8j + 2 (lane % 4) + {0,1}), d[4j + {2,3}] the same 8 rows further (w = warp index in the warpgroup).
+#pragma once
+
+#include <stdint.h>
+
+namespace fllama {
+
+constexpr int SW128_ROW = 128;     // bytes per swizzled row
+constexpr int SW128_ALIGN = 1024;  // 8 rows: the swizzle period
+
+// Byte offset of 16-byte chunk c (0-7) of row r in a 128-byte-swizzled tile.
+__device__ __forceinline__ int sw128(int r, int c) { return r * SW128_ROW + ((c ^ (r & 7)) << 4); }
+
+// Descriptor of a K-major 128-byte-swizzled tile: start address >> 4 (bits 0-13), leading-dimension offset
+// (unused by this layout: 1), 1024 bytes between 8-row groups (bits 32-45), swizzle mode 1 = 128 B (62-63).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr) {
+    return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+// The dynamic shared memory rounded up to the swizzle period.
+__device__ __forceinline__ unsigned char* sw128_base(unsigned char* smem_raw) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_raw);
+    return smem_raw + ((SW128_ALIGN - (a & (SW128_ALIGN - 1))) & (SW128_ALIGN - 1));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {  // at most N committed groups of this warpgroup still running
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the tensor cores' async proxy;
+// each writing thread fences before the barrier that precedes the wgmma.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Pins the accumulators in their registers across the asynchronous wgmma: without it the compiler may copy
+// them between issue and wait, and ptxas then serializes every wgmma (warning C7514).
+__device__ __forceinline__ void fence_operands(int (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+}  // namespace fllama
+
+// The 128 accumulator operands of an m64n256 wgmma, with constraint C ("+r" for s32, "+f" for f32).
+#define FLLAMA_D4(C, i) C(d[i]), C(d[i + 1]), C(d[i + 2]), C(d[i + 3])
+#define FLLAMA_D16(C, i) FLLAMA_D4(C, i), FLLAMA_D4(C, i + 4), FLLAMA_D4(C, i + 8), FLLAMA_D4(C, i + 12)
+#define FLLAMA_D64(C, i) FLLAMA_D16(C, i), FLLAMA_D16(C, i + 16), FLLAMA_D16(C, i + 32), FLLAMA_D16(C, i + 48)
+#define FLLAMA_D128(C) FLLAMA_D64(C, 0), FLLAMA_D64(C, 64)
+#define FLLAMA_D128_LIST                                                                                 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                           \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                  \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                  \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                  \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "      \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"

@@ -1,0 +1,73 @@
+"""awq_wgmma.cu (the Hopper AWQ prefill GEMM, w_hat made in shared memory) against float64 references.
+
+Its w_hat is the reference dequantizer's bit for bit; the product is an fp32 sum rounded once, so it is held
+to the same tolerance as cuBLAS on w_hat (check_gemm), and to the dequantize + cuBLAS path it replaces.
+"""
+
+import pytest
+import torch
+
+from tests.gpu.conftest import GPU_STACK, SKIP_REASON, awq_tensors, check_gemm, check_swiglu, randn
+
+if not GPU_STACK:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from kernels_cu import awq_wgmma, build  # noqa: E402
+from kernels_cu.awq_gemv import awq_linear_ref, awq_packed_dequantize, pack_for_gemv  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and build.has_wgmma(torch.cuda.current_device())),
+    reason="wgmma needs an sm_90 GPU")]
+
+
+def run(M: int, K: int, N: int, seed: int, residual: bool = False, swiglu: bool = False):
+    """The kernel's output in a NaN-filled buffer with 8 spare rows (which must stay NaN), and the reference."""
+    p = pack_for_gemv(*awq_tensors(K, N, 128, seed=seed), swiglu=swiglu)
+    x = randn(M, K, seed=seed + 1)
+    res = randn(M, N, seed=seed + 2) if residual else None
+    big = torch.full((M + 8, p.out_features), float("nan"), dtype=torch.float16, device="cuda")
+    y = awq_wgmma.launch(x, p, res, big[:M])
+    assert bool(torch.isnan(big[M:]).all()), "rows past M were written"
+    return y, awq_linear_ref(x, p, residual=res), x, p
+
+
+@pytest.mark.parametrize("K,N", [(4096, 12288), (4096, 4096), (11008, 4096)])
+@pytest.mark.parametrize("M", [128, 2048])
+def test_llama_shapes(M, K, N):
+    y, ref, _, _ = run(M, K, N, seed=M + K + N)
+    check_gemm(y, ref, f"M={M} K={K} N={N}")
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 128, 16), (65, 384, 208), (129, 1152, 4112), (300, 640, 1536)])
+def test_ragged_tiles(M, K, N):
+    """M, N and K not multiples of the 128 x 256 x 64 block (K = 640: a half-used last tile)."""
+    y, ref, _, _ = run(M, K, N, seed=3 * M + N)
+    check_gemm(y, ref, f"M={M} K={K} N={N}")
+
+
+@pytest.mark.parametrize("M", [70, 1000])
+def test_fused_residual(M):
+    y, ref, _, _ = run(M, 4096, 4096, seed=M, residual=True)
+    check_gemm(y, ref, f"residual M={M}")
+
+
+@pytest.mark.parametrize("M,F", [(70, 11008), (513, 1536)])
+def test_swiglu_epilogue(M, F):
+    y, ref, x, p = run(M, 4096, 2 * F, seed=M + F, swiglu=True)
+    gu = awq_linear_ref(x, pack_for_gemv(*awq_tensors(4096, 2 * F, 128, seed=M + F)))  # [M, 2F], not interleaved
+    check_swiglu(y, gu[:, :F], gu[:, F:], ref, f"swiglu M={M} F={F}")
+
+
+def test_agrees_with_dequantize_and_cublas():
+    p = pack_for_gemv(*awq_tensors(4096, 12288, 128, seed=9))
+    x = randn(512, 4096, seed=10)
+    y = awq_wgmma.launch(x, p, None, None)
+    cublas = torch.matmul(x, awq_packed_dequantize(p).t())
+    rel = float((y.double() - cublas.double()).norm() / cublas.double().norm())
+    assert rel < 5e-4, f"relative difference {rel:.2e}"
+
+
+def test_takes_groups_of_128_only():
+    x = randn(100, 512, seed=1)
+    assert awq_wgmma.takes(x, pack_for_gemv(*awq_tensors(512, 256, 128, seed=2)))
+    assert not awq_wgmma.takes(x, pack_for_gemv(*awq_tensors(512, 256, 64, seed=2)))
