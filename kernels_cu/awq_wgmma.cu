@@ -142,16 +142,9 @@ __device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const __half* 
         const uint32_t sx = smem_addr + (kt % STAGES) * RING_BYTES + wg * (64 * SW128_ROW);
         const uint32_t sw = smem_addr + STAGES * RING_BYTES + (kt % WBUF) * W_BYTES;
         const uint64_t da = sw128_desc(sx), db = sw128_desc(sw);
-        fence_operands(d);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) wgmma_f16_m64n256k16(d, da + 2 * ks, db + 2 * ks);  // +32 B
-        wgmma_commit();
-        fence_operands(d);
-        wgmma_wait<1>();
+        wgmma_stage<BK / 16>(d, da, db, [](auto& acc, uint64_t a, uint64_t b) { wgmma_f16_m64n256k16(acc, a, b); });
     }
-    wgmma_wait<0>();
-    fence_operands(d);
+    wgmma_drain(d);
     pdl_launch_dependents();
 
     // Epilogue from the accumulators: rows m, m + 8; column pairs (n, n + 1).

@@ -106,16 +106,9 @@ __device__ __forceinline__ void int8_wgmma(__half* __restrict__ y, const int8_t*
         const uint32_t sa = smem_addr + (kt % STAGES) * STAGE_BYTES + wg * (64 * BK);
         const uint32_t sb = smem_addr + (kt % STAGES) * STAGE_BYTES + A_BYTES;
         const uint64_t da = sw128_desc(sa), db = sw128_desc(sb);
-        fence_operands(d);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) wgmma_s8_m64n256k32(d, da + 2 * ks, db + 2 * ks);  // +32 B
-        wgmma_commit();
-        fence_operands(d);
-        wgmma_wait<1>();
+        wgmma_stage<BK / 32>(d, da, db, [](auto& acc, uint64_t a, uint64_t b) { wgmma_s8_m64n256k32(acc, a, b); });
     }
-    wgmma_wait<0>();
-    fence_operands(d);
+    wgmma_drain(d);
     pdl_launch_dependents();
 
     // Epilogue straight from the accumulators: rows m, m + 8; column pairs (n, n + 1), N % 8 == 0.

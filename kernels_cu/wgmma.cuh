@@ -53,6 +53,27 @@ __device__ __forceinline__ void fence_operands(float (&d)[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// One pipeline stage's tensor-core work of a warpgroup: KSTEPS wgmma (mma(d, da, db)) down the stage's K,
+// each descriptor advanced 32 bytes per step, committed as one group; then wait until at most this group is
+// still running, so the previous stage's buffers are free once every warpgroup has passed a barrier.
+template <int KSTEPS, typename T, typename Mma>
+__device__ __forceinline__ void wgmma_stage(T (&d)[128], uint64_t da, uint64_t db, Mma mma) {
+    fence_operands(d);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) mma(d, da + 2 * ks, db + 2 * ks);
+    wgmma_commit();
+    fence_operands(d);
+    wgmma_wait<1>();
+}
+
+// After the last stage: every group retired, the accumulators readable.
+template <typename T>
+__device__ __forceinline__ void wgmma_drain(T (&d)[128]) {
+    wgmma_wait<0>();
+    fence_operands(d);
+}
+
 }  // namespace fllama
 
 // The 128 accumulator operands of an m64n256 wgmma, with constraint C ("+r" for s32, "+f" for f32).
