@@ -108,14 +108,7 @@ __device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const __half* 
     };
 
     float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-
-#pragma unroll
-    for (int kt = 0; kt < PREFETCH; ++kt) {
-        if (kt < stages) load_stage(kt);
-        cp_async_commit();  // always commit: the wait below counts groups
-    }
+    wgmma_pipeline_start<PREFETCH>(d, stages, load_stage);
     for (int kt = 0; kt < stages; ++kt) {
         cp_async_wait<PREFETCH - 1>();  // this thread's copies of stage kt have landed
         {   // its channel's 64 w_hat values of the stage -> row tid of w_hat buffer kt % 3

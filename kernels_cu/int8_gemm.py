@@ -25,14 +25,14 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
               residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q_x int8 [M, K], a_scale fp32 [M] or [1], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N]."""
     M, K, N = _check(q_x, a_scale, qweight, w_scale, residual)
+    if int8_wgmma.takes(q_x, N):
+        return int8_wgmma.launch(q_x, a_scale, qweight, w_scale, residual, out)
     a_stride = 1 if a_scale.numel() == M else 0
     with build.on_stream():
         y = out_or_new(out, (M, N), torch.float16, q_x, "out", align=8)
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        if int8_wgmma.takes(q_x, N):
-            return int8_wgmma.launch(q_x, a_scale, qweight, w_scale, residual, y)
         if M > DECODE_MAX_M and N % 8 == 0:
             acc = torch._int_mm(q_x, qweight.t())  # [M, N] int32 (cuBLASLt, TN layout)
             fn = build.get_function("int8_gemm.cu", f"int8_dequant{res}", "PPPiPPii")

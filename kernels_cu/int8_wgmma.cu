@@ -89,14 +89,7 @@ __device__ __forceinline__ void int8_wgmma(__half* __restrict__ y, const int8_t*
     };
 
     int d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0;
-
-#pragma unroll
-    for (int kt = 0; kt < PREFETCH; ++kt) {
-        if (kt < tiles) load_tile(kt);
-        cp_async_commit();  // always commit: the wait below counts groups
-    }
+    wgmma_pipeline_start<PREFETCH>(d, tiles, load_tile);
     for (int kt = 0; kt < tiles; ++kt) {
         cp_async_wait<PREFETCH - 1>();  // this thread's copies of tile kt have landed
         fence_proxy_async();            // ... and are visible to the tensor cores (async proxy)

@@ -9,13 +9,11 @@ in memory for a second kernel. The reference is int8_gemm.int8_gemm_ref.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels_cu import build
 from kernels_cu.checks import out_or_new
-from kernels_cu.gemm_shapes import cdiv
+from kernels_cu.gemm_shapes import cdiv, sm_count
 
 BM, BN, BK, STAGES = 128, 256, 128, 4  # tokens x channels per block, k bytes per stage: int8_wgmma.cu
 THREADS = 256
@@ -29,12 +27,7 @@ def takes(q_x: torch.Tensor, n: int) -> bool:
     if not (q_x.is_cuda and q_x.shape[0] > 16 and n % 8 == 0):
         return False
     dev = q_x.device.index or 0
-    return build.has_wgmma(dev) and cdiv(q_x.shape[0], BM) * cdiv(n, BN) >= _sm_count(dev)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return build.has_wgmma(dev) and cdiv(q_x.shape[0], BM) * cdiv(n, BN) >= sm_count(dev)
 
 
 def launch(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,

@@ -11,6 +11,8 @@
 
 #include <stdint.h>
 
+#include "gemm_common.cuh"
+
 namespace fllama {
 
 constexpr int SW128_ROW = 128;     // bytes per swizzled row
@@ -51,6 +53,19 @@ __device__ __forceinline__ void fence_operands(int (&d)[128]) {
 __device__ __forceinline__ void fence_operands(float (&d)[128]) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Pipeline start: the accumulators zeroed and the copies of the first PREFETCH stages issued by load(kt), one
+// cp.async group per stage, committed even past the last stage so that the main loop's waits count groups.
+template <int PREFETCH, typename T, typename Load>
+__device__ __forceinline__ void wgmma_pipeline_start(T (&d)[128], int stages, Load load) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = T(0);
+#pragma unroll
+    for (int kt = 0; kt < PREFETCH; ++kt) {
+        if (kt < stages) load(kt);
+        cp_async_commit();
+    }
 }
 
 // One pipeline stage's tensor-core work of a warpgroup: KSTEPS wgmma (mma(d, da, db)) down the stage's K,
