@@ -4,13 +4,17 @@
 
 on the engine's packed layout (awq_gemv.AwqPacked) with groups of 128. The reference is awq_gemv.awq_linear_ref.
 
-Not used by the engine yet: on the H200 at 2048 tokens it runs at 427-443 TFLOP/s, against 555-582 for
-awq_packed_dequant + cuBLAS and 610-660 for cuBLAS fp16 alone (kernels_cu.microbench --only prefill). Without
-the dequantization (FLLAMA_AWQ_TIMING_NO_DEQUANT, wrong results) it reaches 494-554, and a deeper prefetch
-(5 slots, 3 ahead) changed nothing: the limit is the pipeline itself, in which every warp both copies and
-computes and a barrier per 64-k stage couples the two warpgroups (docs/gpu.md step 7). The next version
-should hand the copies and the dequantization to producer warps (mbarrier hand-off, setmaxnreg), as
-CUTLASS's warp-specialized kernels do.
+Not used by the engine yet. H200, 2048 tokens, TFLOP/s per LLaMA-2-7B shape (kernels_cu.microbench --only
+prefill; FLLAMA_AWQ_TIMING_NO_DEQUANT skips the conversion, timing only):
+
+    version (2-4 warp-specialized, eighth session)    awq_wgmma   no conversion   dequant + cuBLAS   cuBLAS fp16
+    1: every warp copies, converts, issues (7th)       427-446     494-554         555-582            610-660
+    2: producer warpgroup copies x too, 4 shared slots 440-460     534-578         558-577            617-661
+    3: as 2 with separate x / w_hat rings (5 / 3)      416-429     476-512         558-585            618-663
+    4: consumers copy their own x (this one)           446-465     512-569         567-592            624-659
+
+Version 4 keeps the structure the next step needs (docs/gpu.md step 8): the producer warps are the limit,
+with ~320 instructions a stage, ~200 of them the conversion.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from kernels_cu.checks import out_or_new
 from kernels_cu.gemm_shapes import cdiv
 
 BM, BN, BK = 128, 256, 64  # tokens x channels per block, k per stage: awq_wgmma.cu
-STAGES, WBUF = 4, 3  # x / packed ring slots, w_hat buffers
-THREADS = 256
-RING_BYTES = BM * 128 + BN * 32 + BN * 4  # x tile, packed lane chunks, group terms
-SMEM_BYTES = STAGES * RING_BYTES + WBUF * BN * 128 + 1024  # + w_hat tiles + 1024-byte alignment
+XS, WS, PS = 4, 3, 3  # slots of the x ring, the w_hat ring and the packed-word ring
+THREADS = 384  # a producer warpgroup and two consumer warpgroups
+PACKED_BYTES = BN * 32 + BN * 4  # packed lane chunks, group terms
+SMEM_BYTES = XS * BM * 128 + WS * BN * 128 + PS * PACKED_BYTES + 16 * WS + 1024  # + mbarriers, alignment
 
 
 def takes(x: torch.Tensor, p) -> bool:

@@ -55,6 +55,44 @@ __device__ __forceinline__ void fence_operands(float (&d)[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// mbarriers (shared memory, 8 bytes) for the producer / consumer hand-off of warp-specialized pipelines: a
+// barrier's phase completes once `count` arrivals have come; waiters name the phase by its parity (0 first).
+// A wait on parity 1 before any phase completed returns at once, which lets a producer pass its first round
+// of "slot empty" waits without the consumers' arrivals.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Release semantics: this thread's earlier shared-memory writes are visible to whoever waits the phase out.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+// Barrier of a subset of the block (ids 1-15; 0 is __syncthreads), e.g. one warpgroup's 128 threads.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Position in a ring of N slots guarded by mbarriers: the slot and the parity of its barriers' current phase
+// (flipped at each wrap), as CUTLASS's PipelineState; cheaper than kt % N and kt / N for N not a power of 2.
+template <int N>
+struct RingPos {
+    int slot = 0;
+    uint32_t phase = 0;
+    __device__ __forceinline__ void next() {
+        if (++slot == N) {
+            slot = 0;
+            phase ^= 1;
+        }
+    }
+};
+
 // Pipeline start: the accumulators zeroed and the copies of the first PREFETCH stages issued by load(kt), one
 // cp.async group per stage, committed even past the last stage so that the main loop's waits count groups.
 template <int PREFETCH, typename T, typename Load>
