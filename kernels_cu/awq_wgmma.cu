@@ -25,12 +25,13 @@
 // was the bottleneck: Nsight Compute showed the consumers waiting on `w_full` for 40% of their samples while
 // each producer warp issued 447 instructions a stage at 0.2 IPC, 40% of them address arithmetic of the x
 // copies. The consumers have issue slots to spare while their wgmma run, so the x copies are theirs now
-// (446-465 TFLOP/s). What is left: the tensor pipe is active 56% of the time against cuBLAS's 95%; one
-// producer warp per scheduler converts 2 x 64 values a stage (~200 of its ~320 instructions, bitwise
-// dequantize_awq needs them all), and even without the conversion the non-persistent grid (prologue and
-// epilogue not overlapped, 5.8 waves) tops out at 512-569. Two producer warpgroups would need setmaxnreg,
-// but ptxas compiles the whole kernel to one register count (128 at 512 threads, C7602: the m64n256 wgmma
-// needs 154).
+// (446-465 TFLOP/s). What is left: the tensor pipe is active 56% of the time against cuBLAS's 95%, and the
+// conversion still costs ~18% (512-569 without it). Not for want of producer warps: a trial with two producer
+// warpgroups (192-channel blocks, 512 threads, one channel a thread) lost the same share to the conversion
+// (371-411 against 427-501 without it). That points at the amount of conversion work: each 128-token block converts
+// its weights again (16 times per weight at 2048 tokens, where dequantize + cuBLAS converts once), so the next
+// step to try is more tokens per converted tile (256 x 128 blocks, each consumer two m64n128) and a persistent grid
+// (the prologue and epilogue are not overlapped, 5.8 waves).
 // Slots: x (XS = PREFETCH + 2: a copy issued after stage kt overwrites stage kt - 2's, which every warp of
 // the warpgroup retired before the barrier of stage kt), w_hat (WS, guarded by w_full / w_empty), packed
 // words (PS = PREFETCH + 1, the producer's own). The producer waits only for w_empty of stage kt - WS, whose

@@ -12,9 +12,12 @@ prefill; FLLAMA_AWQ_TIMING_NO_DEQUANT skips the conversion, timing only):
     2: producer warpgroup copies x too, 4 shared slots 440-460     534-578         558-577            617-661
     3: as 2 with separate x / w_hat rings (5 / 3)      416-429     476-512         558-585            618-663
     4: consumers copy their own x (this one)           446-465     512-569         567-592            624-659
+    5: as 4 with two producer warpgroups, 192 channels 371-411     427-501         553-596            621-670
+       a block, 512 threads (trial, not kept)
 
-Version 4 keeps the structure the next step needs (docs/gpu.md step 8): the producer warps are the limit,
-with ~320 instructions a stage, ~200 of them the conversion.
+The conversion costs ~18% whatever the number of producer warps (4 vs 5), which points at the conversion work:
+each 128-token block converts its weights again, 16 times per weight at 2048 tokens (docs/gpu.md step 8).
+
 """
 
 from __future__ import annotations
