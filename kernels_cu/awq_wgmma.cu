@@ -82,9 +82,8 @@ __device__ __forceinline__ void wgmma_f16_m64n256k16(float (&d)[128], uint64_t d
 // The producer warpgroup's whole job (thread t = 0..127).
 __device__ __forceinline__ void awq_wgmma_produce(unsigned char* smem, uint32_t bars,
                                                   const uint32_t* __restrict__ packed,
-                                                  const uint32_t* __restrict__ terms, int N, int K, int tiles,
-                                                  int n0, int t) {
-    const int stages = (K + BK - 1) / BK;
+                                                  const uint32_t* __restrict__ terms, int N, int stages,
+                                                  int tiles, int n0, int t) {
     // The two channels: their lane chunks (g, t) of rows h of panel n / 16, and their group terms.
     const uint32_t* w_src[2];
     const uint32_t* t_src[2];
@@ -100,12 +99,12 @@ __device__ __forceinline__ void awq_wgmma_produce(unsigned char* smem, uint32_t 
     // Rows t and t + 128 of w_hat slot 0 (the same swizzle: 128 is a multiple of 8).
     unsigned char* const w_row = smem + W_OFFSET + t * SW128_ROW;
     const int r7 = t & 7;
-    RingPos<WS> wc;  // the w_hat slot of the stage being converted
-    int pi = 0, pc = 0;  // the packed slots of the stage being copied and converted
+    RingPos<WS> wc;              // the w_hat slot of the stage being converted
+    RingPos<PS> pc, pi;          // the packed slots of the stage being converted and of the one being copied
     for (int kt = 0; kt < stages + PREFETCH; ++kt) {
         if (kt >= PREFETCH) {  // convert stage kt - PREFETCH
             cp_async_wait<PREFETCH - 1>();  // this thread's copies of that stage have landed
-            const unsigned char* pr = smem + P_OFFSET + pc * PACKED_BYTES;
+            const unsigned char* pr = smem + P_OFFSET + pc.slot * PACKED_BYTES;
             uint4 raw[2][2];
             uint32_t term[2];
 #pragma unroll
@@ -132,10 +131,10 @@ __device__ __forceinline__ void awq_wgmma_produce(unsigned char* smem, uint32_t 
             fence_proxy_async();  // the w_hat stores, to the tensor cores
             mbar_arrive(bars + W_FULL + 8 * wc.slot);
             wc.next();
-            pc = pc == PS - 1 ? 0 : pc + 1;
+            pc.next();
         }
         if (kt < stages) {  // copy stage kt's packed words and terms
-            unsigned char* pr = smem + P_OFFSET + pi * PACKED_BYTES;
+            unsigned char* pr = smem + P_OFFSET + pi.slot * PACKED_BYTES;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int ch = t + PRODUCERS * j;
@@ -145,7 +144,7 @@ __device__ __forceinline__ void awq_wgmma_produce(unsigned char* smem, uint32_t 
                 cp_async16(pr + ch * 32 + 16, w + 4, n_ok[j]);
                 cp_async4(pr + RAW_BYTES + ch * 4, t_src[j] + (size_t)(kt >> 1) * 16, n_ok[j]);
             }
-            pi = pi == PS - 1 ? 0 : pi + 1;
+            pi.next();
         }
         cp_async_commit();  // one group per iteration, empty past the last stage, so the waits count stages
     }
@@ -174,7 +173,7 @@ __device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const __half* 
     __syncthreads();
     pdl_wait();  // x and the residual come from the previous kernel
     if (wg == 0) {
-        awq_wgmma_produce(smem, bars, packed, terms, N, K, tiles, n0, tid);
+        awq_wgmma_produce(smem, bars, packed, terms, N, stages, tiles, n0, tid);
         return;
     }
     const int cw = wg - 1, ct = tid - PRODUCERS * wg;  // consumer: tokens 64 cw .. + 63 of the block
@@ -196,21 +195,16 @@ __device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const __half* 
         }
     };
     float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.f;
-#pragma unroll
-    for (int kt = 0; kt < PREFETCH; ++kt) {
-        if (kt < stages) copy_x(kt, kt);
-        cp_async_commit();
-    }
+    wgmma_pipeline_start<PREFETCH>(d, stages, [&](int kt) { copy_x(kt, kt); });
     RingPos<WS> wf;  // the stage's w_hat slot
-    int xs = 0, w_prev = 0;
+    RingPos<XS> xs;  // and x slot
+    int w_prev = 0;
     for (int kt = 0; kt < stages; ++kt) {
         cp_async_wait<PREFETCH - 1>();  // this thread's x copies of stage kt have landed
         fence_proxy_async();
         named_barrier(1 + cw, 128);     // and the warpgroup's
         mbar_wait(bars + W_FULL + 8 * wf.slot, wf.phase);
-        const uint32_t sx = smem_addr + xs * X_BYTES + cw * (64 * SW128_ROW);
+        const uint32_t sx = smem_addr + xs.slot * X_BYTES + cw * (64 * SW128_ROW);
         const uint32_t sw = smem_addr + W_OFFSET + wf.slot * W_BYTES;
         wgmma_stage<BK / 16>(d, sw128_desc(sx), sw128_desc(sw),
                              [](auto& acc, uint64_t a, uint64_t b) { wgmma_f16_m64n256k16(acc, a, b); });
@@ -218,15 +212,15 @@ __device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const __half* 
         if (kt > 0 && lane == 0) mbar_arrive(bars + W_EMPTY + 8 * w_prev);
         w_prev = wf.slot;
         wf.next();
-        const int xn = xs + PREFETCH >= XS ? xs + PREFETCH - XS : xs + PREFETCH;  // slot of stage kt - 2
+        const int xn = (xs.slot + PREFETCH) % XS;  // stage kt + PREFETCH's slot, stage kt - 2's before
         if (kt + PREFETCH < stages) copy_x(kt + PREFETCH, xn);
         cp_async_commit();
-        xs = xs == XS - 1 ? 0 : xs + 1;
+        xs.next();
     }
     wgmma_drain(d);
     pdl_launch_dependents();
 
-// Epilogue from the accumulators: rows m, m + 8; column pairs (n, n + 1).
+    // Epilogue from the accumulators: rows m, m + 8; column pairs (n, n + 1).
     const int m = m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
