@@ -3,7 +3,8 @@
 Per LLaMA-2-7B shape and M in (1, 8, 16): the kernel's time, the bytes it must move (weights once,
 activations and outputs), GB/s, and the percentage of the device-to-device copy bandwidth measured here
 (bytes read + bytes written); beside it, torch (cuBLAS) on the same shape. Decode attention at contexts
-512 and 4096 against torch's SDPA. Each timing replays a CUDA graph of REPS calls that rotate over enough
+512 and 4096 against torch's SDPA (`--only l2`: each decode GEMV at M = 1 with its weight cold and L2-resident,
+single launches). Each timing replays a CUDA graph of REPS calls that rotate over enough
 weight copies to overflow L2; the median over replays after a warm-up.
 """
 
@@ -25,6 +26,7 @@ from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear
                                  pack_for_gemv)
 from kernels_cu.fp16_gemv import fp16_gemv
 from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.quantize import quantize
 
 SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
 REPS = 20  # calls per graph
@@ -215,10 +217,56 @@ def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: 
     return Row("attn decode", f"B{b} ctx{ctx}", b, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "SDPA")
 
 
+def _launch_us(fn: Callable[[], object], before: Callable[[], object], n: int = 60) -> float:
+    """Median microseconds of one launch of fn, right after before() (events around fn alone; the GPU is held
+    back first, so the host has queued both before they run and no launch gap is timed)."""
+    ts = []
+    with build.on_stream():
+        for _ in range(n):
+            torch.cuda._sleep(2_000_000)  # ~1 ms: longer than the host needs to queue the rest
+            before()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def bench_l2_residency(kind: str, k: int, n: int, bw: float) -> list[Row]:
+    """A decode GEMV (M = 1) with its weight cold (L2 overwritten first) and L2-resident (the same launch just
+    before): how much of its time is DRAM. Single launches, so both include ~1.5 us of launch and drain."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    if kind == "awq":
+        p = random_awq_packed(k, n, 128)
+        fn, nbytes = (lambda: awq_gemv(x, p)), p.nbytes()
+    elif kind == "int8":
+        w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+        ws = torch.rand(n, device="cuda") * 1e-2 + 1e-3
+        with build.on_stream():
+            q, a = quantize(x)
+        fn, nbytes = (lambda: int8_gemm(q, a, w8, ws)), w8.numel()
+    else:
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+        fn, nbytes = (lambda: fp16_gemv(x, w)), w.numel() * 2
+    with build.on_stream():
+        for _ in range(3):
+            fn()
+    rows = []
+    for tag, before in (("cold", lambda: flush.fill_(1)), ("L2", fn)):
+        us = _launch_us(fn, before)
+        rows.append(Row(f"{kind} {tag}", f"{k}x{n}", 1, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, ""))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,8,16,32", help="token counts for the GEMV rows")
-    ap.add_argument("--only", default="fp16,int8,awq,attn,dequant", help="which groups to run (+ prefill)")
+    ap.add_argument("--only", default="fp16,int8,awq,attn,dequant",
+                    help="which groups to run (+ prefill; l2: decode GEMVs with the weight cold and L2-resident)")
     ap.add_argument("--prefill-ms", default="2048", help="token counts for the prefill GEMM rows")
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
     ap.add_argument("--batch-splits", default="", help="also sweep the AWQ batch GEMM's K splits, e.g. 1,2,4")
@@ -252,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += [r for m in map(int, args.prefill_ms.split(",")) for _, k, n in SHAPES_7B for r in bench_prefill(m, k, n, bw)]
     if "attn" in only:
         rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
+    if "l2" in only:
+        rows += [r for _, k, n in SHAPES_7B for kind in ("fp16", "int8", "awq") for r in bench_l2_residency(kind, k, n, bw)]
     print(f"{'op':<14}{'shape':<14}{'M':>5}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
     for r in rows:
         t = f"{r.torch_us:10.2f}  {r.torch_us / r.us:.2f}x {r.torch_what}" if r.torch_us else ""
