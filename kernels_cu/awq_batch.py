@@ -93,8 +93,8 @@ def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: 
         if lp.splits > 1:
             partial = torch.empty((lp.splits, M, p.n), dtype=torch.float32, device=x.device)  # [S, M, N]
             counts = counters.counters(COUNTER_POOL, x.device, grid[0] * grid[2])
-        epi = "silu" if p.swiglu else "res" if residual is not None else "plain"
-        fn = build.get_function("awq_batch.cu", f"awq_batch_mt{lp.mt}_g{p.gpt}_{epi}", "PPPPPPPiiiii")
+        fn = build.get_function("awq_batch.cu", f"awq_batch_mt{lp.mt}_g{p.gpt}_{p.epilogue(residual)}",
+                                "PPPPPPPiiiii")
         fn(grid, (threads(lp.mt),), y, x, p.packed, p.terms, residual, partial, counts, M, p.n, p.k, p.tiles,
            lp.tiles_per_split, shared=lp.smem)
     return y

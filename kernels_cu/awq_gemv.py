@@ -62,6 +62,10 @@ class AwqPacked:
     def nbytes(self) -> int:
         return self.packed.numel() * 4 + self.terms.numel() * 4
 
+    def epilogue(self, residual: torch.Tensor | None) -> str:
+        """The entry-name suffix of the AWQ kernels (awq_gemv, awq_batch, awq_wgmma) for this op and call."""
+        return "silu" if self.swiglu else "res" if residual is not None else "plain"
+
 
 def gemv_takes(k: int, n: int, group_size: int) -> bool:
     """Panels of 16 channels, 16-byte activation runs (K % 8) and group runs of at least 32 k."""
@@ -176,8 +180,7 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
         if M == 0:
             return y
         mt = token_tile(M, AWQ_WIDEST_TILE)
-        epi = "silu" if p.swiglu else "res" if residual is not None else "plain"
-        fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{p.gpt}_{epi}", "PPPPPiiii")
+        fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}", "PPPPPiiii")
         fn(gemv_grid(M, p.n), (THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
            p.tiles)
     return y

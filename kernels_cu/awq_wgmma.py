@@ -47,8 +47,7 @@ def launch(x: torch.Tensor, p, residual: torch.Tensor | None, out: torch.Tensor 
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=4)
         if M == 0:
             return y
-        epi = "silu" if p.swiglu else "res" if residual is not None else "plain"
-        fn = build.get_function("awq_wgmma.cu", f"awq_wgmma_{epi}", "PPPPPiiii")
+        fn = build.get_function("awq_wgmma.cu", f"awq_wgmma_{p.epilogue(residual)}", "PPPPPiiii")
         fn((cdiv(M, BM), cdiv(p.n, BN)), (THREADS,), y, x, p.packed, p.terms, residual, M, p.n, K, p.tiles,
            shared=SMEM_BYTES)
     return y

@@ -24,9 +24,8 @@ from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
 from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear, awq_packed_dequantize,
                                  pack_for_gemv)
-from kernels_cu.fp16_gemv import fp16_gemv
+from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
-from kernels_cu.quantize import quantize
 
 SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
 REPS = 20  # calls per graph
@@ -45,6 +44,13 @@ class Row:
     torch_us: float | None
     torch_what: str
     tflops: float | None = None  # prefill GEMM rows: 2 M K N / time (GB/s and % copy are then of the weights)
+
+    @classmethod
+    def of(cls, op: str, shape: str, m: int, us: float, nbytes: float, bw: float, torch_us: float | None = None,
+           torch_what: str = "", tflops: float | None = None) -> "Row":
+        """A row whose GB/s and % of the copy bandwidth `bw` (GB/s) come from the bytes moved in `us`."""
+        gbps = nbytes / us / 1e3
+        return cls(op, shape, m, us, gbps, 100 * gbps / bw, torch_us, torch_what, tflops)
 
 
 def time_graph(fn: Callable[[int], object], n_copies: int) -> float:
@@ -98,7 +104,7 @@ def bench_int8(m: int, k: int, n: int, bw: float) -> Row:
     # cuBLAS int8 needs M > 16: torch._int_mm at M = 17 is the closest torch can do
     xi = torch.randint(-127, 128, (17, k), dtype=torch.int8, device="cuda")
     t_us = time_graph(lambda i: torch._int_mm(xi, w[i].t()), nc)
-    return Row("int8", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "_int_mm M=17")
+    return Row.of("int8", f"{k}x{n}", m, us, nbytes, bw, t_us, "_int_mm M=17")
 
 
 def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
@@ -116,7 +122,7 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
     awq = [random_awq_packed(k, n, 128) for _ in range(nc)]
 
     def row(op: str, us: float, wbytes: float) -> Row:
-        return Row(op, f"{k}x{n}", m, us, wbytes / us / 1e3, 100 * wbytes / us / 1e3 / bw, None, "", flop / us / 1e6)
+        return Row.of(op, f"{k}x{n}", m, us, wbytes, bw, tflops=flop / us / 1e6)
 
     rows = [row("fp16 cuBLAS", time_graph(lambda i: torch.matmul(x, w16[i].t()), nc), 2 * n * k)]
     rows.append(row("int8 gemm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
@@ -139,7 +145,7 @@ def bench_fp16(m: int, k: int, n: int, bw: float) -> Row:
     us = time_graph(lambda i: fp16_gemv(x, w[i]), nc)
     t_us = time_graph(lambda i: torch.matmul(x, w[i].t()), nc)
     nbytes = 2 * (n * k + m * k + m * n)
-    return Row("fp16", f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "cuBLAS fp16")
+    return Row.of("fp16", f"{k}x{n}", m, us, nbytes, bw, t_us, "cuBLAS fp16")
 
 
 def bench_awq(m: int, k: int, n: int, bw: float, group: int = 128, splits: int | None = None) -> Row:
@@ -154,7 +160,7 @@ def bench_awq(m: int, k: int, n: int, bw: float, group: int = 128, splits: int |
     t_us = time_graph(lambda i: torch.matmul(x, w16[i].t()), len(w16))
     nbytes = nbytes_w + 2 * (m * k + m * n)
     tag = f"awq g{group}" + (f" s{splits}" if splits else "")
-    return Row(tag, f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "cuBLAS fp16")
+    return Row.of(tag, f"{k}x{n}", m, us, nbytes, bw, t_us, "cuBLAS fp16")
 
 
 def random_awq_packed(k: int, n: int, group: int = 128, swiglu: bool = False) -> AwqPacked:
@@ -182,7 +188,7 @@ def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128, batch: b
         us = time_graph(lambda i: awq_gemv(x, packs[i]), nc)
         tag = f"awq-gemv g{group}"
     nbytes = nbytes_w + 2 * (m * k + m * n)
-    return Row(tag, f"{k}x{n}", m, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+    return Row.of(tag, f"{k}x{n}", m, us, nbytes, bw)
 
 
 def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
@@ -192,7 +198,7 @@ def bench_awq_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
     out = torch.empty(k, n, dtype=torch.float16, device="cuda")
     us = time_graph(lambda i: awq_dequantize(qw, qz, sc, out=out), 1)
     nbytes = k * n // 2 + 2 * k * n
-    return Row("awq dequant", f"{k}x{n}", 0, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+    return Row.of("awq dequant", f"{k}x{n}", 0, us, nbytes, bw)
 
 
 def bench_awq_packed_dequant(k: int, n: int, bw: float, group: int = 128) -> Row:
@@ -200,7 +206,7 @@ def bench_awq_packed_dequant(k: int, n: int, bw: float, group: int = 128) -> Row
     out = torch.empty(n, k, dtype=torch.float16, device="cuda")
     us = time_graph(lambda i: awq_packed_dequantize(p, out=out), 1)
     nbytes = p.nbytes() + 2 * k * n
-    return Row("awq-gemv dequant", f"{k}x{n}", 0, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, "")
+    return Row.of("awq-gemv dequant", f"{k}x{n}", 0, us, nbytes, bw)
 
 
 def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: int = 128) -> Row:
@@ -214,7 +220,7 @@ def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: 
     kx, vx = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
     t_us = time_graph(lambda i: F.scaled_dot_product_attention(q4, kx, vx), 1)
     nbytes = 2 * b * hkv * ctx * d * 2
-    return Row("attn decode", f"B{b} ctx{ctx}", b, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, t_us, "SDPA")
+    return Row.of("attn decode", f"B{b} ctx{ctx}", b, us, nbytes, bw, t_us, "SDPA")
 
 
 def _launch_us(fn: Callable[[], object], before: Callable[[], object], n: int = 60) -> float:
@@ -234,31 +240,36 @@ def _launch_us(fn: Callable[[], object], before: Callable[[], object], n: int = 
     return statistics.median(ts)
 
 
+def decode_gemv(scheme: str, m: int, k: int, n: int, swiglu: bool = False) -> tuple[Callable[[], object], int]:
+    """One decode GEMV call on random operands (fp16, int8, awq, or awq-batch: the AWQ batch GEMM), `swiglu`
+    for the gate|up epilogue (fp16, AWQ), and its weight bytes. gemv_probe profiles the same calls."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    if scheme == "fp16":
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
+        return ((lambda: fp16_swiglu(x, w)) if swiglu else (lambda: fp16_gemv(x, w))), w.numel() * 2
+    if scheme == "int8":
+        w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+        ws = torch.rand(n, device="cuda") * 0.01 + 1e-3
+        q = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda")
+        a = torch.rand(m, device="cuda") * 0.01 + 1e-3
+        return (lambda: int8_gemm(q, a, w8, ws)), w8.numel()
+    p = random_awq_packed(k, n, swiglu=swiglu)
+    return ((lambda: awq_batch_gemm(x, p)) if scheme == "awq-batch" else (lambda: awq_gemv(x, p))), p.nbytes()
+
+
 def bench_l2_residency(kind: str, k: int, n: int, bw: float) -> list[Row]:
     """A decode GEMV (M = 1) with its weight cold (L2 overwritten first) and L2-resident (the same launch just
     before): how much of its time is DRAM. Single launches, so both include ~1.5 us of launch and drain."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+    fn, nbytes = decode_gemv(kind, 1, k, n)
     torch.cuda.synchronize()
-    if kind == "awq":
-        p = random_awq_packed(k, n, 128)
-        fn, nbytes = (lambda: awq_gemv(x, p)), p.nbytes()
-    elif kind == "int8":
-        w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
-        ws = torch.rand(n, device="cuda") * 1e-2 + 1e-3
-        with build.on_stream():
-            q, a = quantize(x)
-        fn, nbytes = (lambda: int8_gemm(q, a, w8, ws)), w8.numel()
-    else:
-        w = torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02
-        fn, nbytes = (lambda: fp16_gemv(x, w)), w.numel() * 2
     with build.on_stream():
         for _ in range(3):
             fn()
     rows = []
     for tag, before in (("cold", lambda: flush.fill_(1)), ("L2", fn)):
         us = _launch_us(fn, before)
-        rows.append(Row(f"{kind} {tag}", f"{k}x{n}", 1, us, nbytes / us / 1e3, 100 * nbytes / us / 1e3 / bw, None, ""))
+        rows.append(Row.of(f"{kind} {tag}", f"{k}x{n}", 1, us, nbytes, bw))
     return rows
 
 
