@@ -21,6 +21,7 @@
 //   grid B * H, block 128 (thread = dim).
 #include "common.cuh"
 #include "gemm_common.cuh"
+#include "rope.cuh"
 
 using namespace fllama;
 
@@ -273,6 +274,16 @@ extern "C" __global__ void __launch_bounds__(128)
 //      last block reads the row's H * D fp16 values back (L2), takes amax and quantizes, so q_out equals
 //      quantize_ref(out) bit for bit.
 //   counters int32 [units + B], zero before the first launch, zero again after every launch.
+// RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
+//   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
+//   token sits at p = lengths[b] - 1 (cache row b). Every block rotates the query heads it needs itself,
+//   once its stage-0 copies are issued (the loads' latency then overlaps the stream). The unit's last
+//   active block (its range ends at the row's length, so its last stage holds p) rotates k, quantizes k
+//   and v for an int8 cache, and stores them at p before any copy of that stage is issued: ahead of stage
+//   0 when that is the last stage (then a barrier), else while stage 0 streams (the loop's barriers order
+//   the stores before the later stages' copies). Head groups of one kv head (HG > 1) each store the same
+//   bytes, so no block reads another block's store. rope_kv's guards with pos = p: p outside the cos/sin
+//   table -> q = 0 and no store; p >= L or an empty row -> no store.
 namespace fused {
 
 constexpr int WARPS = 4;
@@ -365,15 +376,93 @@ __device__ __forceinline__ int acc_dim(int mt, int r, int g) {
     return 16 * mt + g + 8 * (r >> 1);
 }
 
+// RoPE mode, issued with the query loads: the partner of each of the lane's query words (the dims D/2 away;
+// for int8 caches lane t ^ 2's word, loaded again rather than shuffled; fp16 caches hold it in the lane) and
+// the lane's 4 floats of the position's cos/sin row. rope_query consumes them after the stage-0 copies are
+// issued, so their latency overlaps the stream (one wait, not a chain of them).
+template <int D, bool KV8>
+__device__ __forceinline__ void rope_query_load(uint32_t (&qp)[D / 16][2], uint4& cs4, const __half* qrow, bool qok,
+                                                const float* cs_row, int lane) {
+    if (KV8) {
+#pragma unroll
+        for (int st = 0; st < D / 16; ++st) {
+            const uint2 w = ld_cached8(qrow + ((lane & 3) ^ 2) * (D / 4) + 4 * st, qok);
+            qp[st][0] = w.x;
+            qp[st][1] = w.y;
+        }
+    }
+    cs4 = ld_cached(cs_row + 4 * (4 * lane < D ? lane : 0), 4 * lane < D);
+}
+
+// RoPE mode: the lane's raw query words rotated in place (rope.cuh's arithmetic); q = 0 when !rot_ok. The
+// cos/sin row goes through the warp's P tile (free until the main loop) as fp16 [cos | sin of dims < D/2].
+template <int D, bool KV8>
+__device__ __forceinline__ void rope_query(uint32_t (&qb)[D / 16][2], const uint32_t (&qp)[D / 16][2], uint4 cs4,
+                                           bool rot_ok, __half* ph, int lane) {
+    constexpr int MT = D / 16;
+    static_assert(D <= SLOTS * PH_STRIDE, "the cos/sin row overflows a warp's P tile");
+    const int t = lane & 3;
+    if (4 * lane < D) {
+        const __half2 a = cos_sin_half2(make_float2(__uint_as_float(cs4.x), __uint_as_float(cs4.y)));
+        const __half2 b = cos_sin_half2(make_float2(__uint_as_float(cs4.z), __uint_as_float(cs4.w)));
+        *reinterpret_cast<uint2*>(ph + 4 * lane) = make_uint2(h2_bits(a), h2_bits(b));
+    }
+    __syncwarp();
+    uint32_t r[MT][2];
+#pragma unroll
+    for (int st = 0; st < MT; ++st)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int dim = KV8 ? t * (D / 4) + 4 * st + 2 * j : 16 * st + 8 * j + 2 * t;
+            const int i = dim & (D / 2 - 1);
+            const bool low = KV8 ? t < 2 : st < MT / 2;
+            const uint32_t partner = KV8 ? qp[st][j] : qb[st ^ (MT / 2)][j];
+            const __half2 c = *reinterpret_cast<const __half2*>(ph + i);
+            const __half2 sn = *reinterpret_cast<const __half2*>(ph + D / 2 + i);
+            r[st][j] = rot_ok ? h2_bits(rotate2(bits_h2(qb[st][j]), bits_h2(partner), c, sn, low)) : 0u;
+        }
+#pragma unroll
+    for (int st = 0; st < MT; ++st) {
+        qb[st][0] = r[st][0];
+        qb[st][1] = r[st][1];
+    }
+}
+
+// RoPE mode: the new token's k (rotated) and v of one kv head into cache slot `slot`, as rope_kv.cu stores
+// them. One warp; lane u < G = D / 16 takes k's chunk u, lane G + u v's chunk u (dims [8u, 8u + 8) and
+// [D/2 + 8u, D/2 + 8u + 8)).
+template <int D, bool KV8>
+__device__ __forceinline__ void store_new_kv(const __half* k_src, const __half* v_src, const float* cs_row,
+                                             void* k_cache, void* v_cache, float* k_scale, float* v_scale,
+                                             size_t slot) {
+    constexpr int G = D / 16;
+    const int lane = threadIdx.x & 31, g = lane % G;
+    const bool active = lane < 2 * G, is_v = lane >= G;
+    Half8 lo, hi;
+    if (active) {
+        const __half* src = is_v ? v_src : k_src;
+        lo = load_half8(src + 8 * g);
+        hi = load_half8(src + D / 2 + 8 * g);
+        if (!is_v) rotate8(lo, hi, cs_row, g, D / 2);
+    }
+    if (!KV8) {
+        if (active) store_head_f16(k_cache, v_cache, is_v, slot, D, D / 2, lo, hi, g);
+    } else {
+        const float m = head_absmax(lo, hi, active, G);
+        if (active) store_head_i8(k_cache, v_cache, k_scale, v_scale, is_v, slot, D, D / 2, lo, hi, m, g);
+    }
+}
+
 template <int D, bool KV8>
 __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __restrict__ q_out,
                                            float* __restrict__ a_scale, const float* __restrict__ static_amax,
                                            float* __restrict__ part_o, float* __restrict__ part_ml,
                                            int* __restrict__ counters, const __half* __restrict__ q,
-                                           const void* __restrict__ k_cache, const void* __restrict__ v_cache,
-                                           const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                                           const __half* __restrict__ qkv, const float* __restrict__ cos_sin,
+                                           void* __restrict__ k_cache, void* __restrict__ v_cache,
+                                           float* __restrict__ k_scale, float* __restrict__ v_scale,
                                            const int* __restrict__ lengths, int H, int Hkv, int L, int S,
-                                           int span_tiles, float scale_log2) {
+                                           int span_tiles, int max_pos, float scale_log2) {
     using G = Geom<D, KV8>;
     constexpr int MT = D / 16;  // 16-dim tiles of the output, 16-dim k steps of the scores
     extern __shared__ __align__(16) unsigned char smem[];
@@ -386,7 +475,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
     const int units = gridDim.y, u = blockIdx.y, split = blockIdx.x;
     const int hg = u % HG, kvh = (u / HG) % Hkv, b = u / (HG * Hkv);
-    const int len = min(max(lengths[b], 0), L);
+    const int len_b = lengths[b];
+    const int len = min(max(len_b, 0), L);
     const int ntiles = (len + 15) / 16;
     const int tps = span_tiles > 0 ? span_tiles : max(1, (ntiles + S - 1) / S);
     const int n_act = len > 0 ? (ntiles + tps - 1) / tps : 1;  // an empty row: block 0 writes zeros
@@ -402,12 +492,21 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     if (len > 0) {
         const int lo = split * tps * 16, hi = min(lo + tps * 16, len);
         const int nstages = (hi - lo + STAGE - 1) / STAGE;
+        // RoPE mode: the new token's position (>= 0 as len > 0) and its cos/sin row (max_pos is 0 otherwise)
+        const int p_new = len_b - 1;
+        const bool rot_ok = p_new < max_pos;
+        const float* cs_row = cos_sin + (size_t)(rot_ok ? p_new : 0) * D;
+        __half* ph = reinterpret_cast<__half*>(smem + NBUF * G::BUF_BYTES) + warp * SLOTS * PH_STRIDE;
 
-        // the query heads as the B operand, in the k order the K fragments come in
-        uint32_t qb[MT][2];
+        // the query heads as the B operand, in the k order the K fragments come in (raw in RoPE mode, rotated
+        // once the stage-0 copies are issued)
+        uint32_t qb[MT][2], qp[MT][2];
+        uint4 cs4;
         {
             const bool qok = g < slots;
-            const __half* qrow = q + ((size_t)b * H + head0 + (qok ? g : 0)) * D;
+            const int qh = head0 + (qok ? g : 0);
+            const __half* qrow = qkv != nullptr ? qkv + ((size_t)b * (H + 2 * Hkv) + qh) * D
+                                                : q + ((size_t)b * H + qh) * D;
 #pragma unroll
             for (int st = 0; st < MT; ++st) {
                 if (KV8) {  // lane t's dims [t D/4, (t + 1) D/4) as pairs, word 2 st and 2 st + 1
@@ -419,7 +518,14 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
                     qb[st][1] = qok ? __ldg(reinterpret_cast<const uint32_t*>(qrow + 16 * st + 8 + 2 * t)) : 0u;
                 }
             }
+            if (qkv != nullptr) rope_query_load<D, KV8>(qp, cs4, qrow, qok, cs_row, lane);
         }
+        const bool new_kv = qkv != nullptr && split == n_act - 1 && rot_ok && p_new < L;  // block-uniform
+        auto store_kv = [&] {  // warp 0
+            const __half* k_src = qkv + ((size_t)b * (H + 2 * Hkv) + H + kvh) * D;
+            store_new_kv<D, KV8>(k_src, k_src + (size_t)Hkv * D, cs_row, k_cache, v_cache, k_scale, v_scale,
+                                 row0 + p_new);
+        };
 
         float o[MT][4];
 #pragma unroll
@@ -427,8 +533,11 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 #pragma unroll
             for (int r = 0; r < 4; ++r) o[mt][r] = 0.0f;
         float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2t, 2t + 1
-        __half* ph = reinterpret_cast<__half*>(smem + NBUF * G::BUF_BYTES) + warp * SLOTS * PH_STRIDE;
 
+        if (new_kv && nstages == 1) {  // stage 0 holds p
+            if (warp == 0) store_kv();
+            __syncthreads();  // the stores are performed for the block before its copies read them
+        }
 #pragma unroll
         for (int s = 0; s < NBUF - 1; ++s) {
             if (s < nstages)
@@ -436,6 +545,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
                                     lo + s * STAGE, hi);
             cp_async_commit();
         }
+        if (qkv != nullptr) rope_query<D, KV8>(qb, qp, cs4, rot_ok, ph, lane);
+        if (new_kv && nstages > 1 && warp == 0) store_kv();  // p's stage nstages - 1 is issued after a loop barrier
         for (int s = 0; s < nstages; ++s) {
             cp_async_wait<NBUF - 2>();
             __syncthreads();  // stage s landed for every thread; every warp is done with stage s - 1
@@ -664,21 +775,23 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 }  // namespace fused
 
 // (out fp16 [B,H,D], q_out int8 [B,H*D] or null, a_scale f32 [B] or null, static_amax f32 [1] or null,
-//  part_o f32 [B,H,S,D], part_ml f32 [B,H,S,2], counters i32 [units + B] (zero), q fp16 [B,H,D],
+//  part_o f32 [B,H,S,D], part_ml f32 [B,H,S,2], counters i32 [units + B] (zero), q fp16 [B,H,D] or null,
+//  qkv fp16 [B,(H+2Hkv)*D] or null (RoPE mode), cos_sin f32 [max_pos,D] or null,
 //  k_cache, v_cache [B,Hkv,L,D] fp16 or int8, k_scale, v_scale f32 [B,Hkv,L] or null, lengths i32 [B],
-//  int H, int Hkv, int L, int S, int span_tiles (0: split the length evenly over S), float scale_log2)
+//  int H, int Hkv, int L, int S, int span_tiles (0: split the length evenly over S), int max_pos,
+//  float scale_log2)
 // grid (S, B * Hkv * ceil(H / Hkv / 8)), block 128, dynamic shared memory Geom<D, KV8>::SMEM.
 // MINB: resident blocks per SM the launcher counts on (d128 fp16: shared memory allows 3; others 4).
 #define FLLAMA_ATTN_FUSED(NAME, D, KV8, MINB)                                                               \
     extern "C" __global__ void __launch_bounds__(fused::THREADS, MINB)                                      \
         NAME(__half* out, int8_t* q_out, float* a_scale, const float* static_amax, float* part_o,          \
-             float* part_ml, int* counters, const __half* q, const void* k_cache, const void* v_cache,     \
-             const float* k_scale, const float* v_scale, const int* lengths, int H, int Hkv, int L, int S, \
-             int span_tiles, float scale_log2) {                                                           \
+             float* part_ml, int* counters, const __half* q, const __half* qkv, const float* cos_sin,       \
+             void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
+             int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
         pdl_enter_attention();                                                                             \
-        fused::attn_fused<D, KV8>(out, q_out, a_scale, static_amax, part_o, part_ml, counters, q, k_cache, \
-                                  v_cache, k_scale, v_scale, lengths, H, Hkv, L, S, span_tiles,            \
-                                  scale_log2);                                                             \
+        fused::attn_fused<D, KV8>(out, q_out, a_scale, static_amax, part_o, part_ml, counters, q, qkv,     \
+                                  cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S,      \
+                                  span_tiles, max_pos, scale_log2);                                        \
     }
 
 FLLAMA_ATTN_FUSED(attn_fused_d64, 64, false, 4)

@@ -11,6 +11,14 @@ Two launch paths (D is 64 or 128):
   kernel puts back to zero itself. `attention_decode_quant` also quantizes the output per token to int8
   (the quantize.py rule over each row's H * D values) in the same launch.
 - fused=False: the two-kernel flash-decoding path (chunks of up to 512 positions, then a combine).
+
+RoPE mode (`attention_decode_rope`, `attention_decode_rope_quant`): the fused kernel also does rope_kv's
+work for the new token, so a decode step needs no rope_kv launch. It takes the fused QKV output qkv fp16
+[B, (H + 2 Hkv) D] (q heads, k heads, v heads) and rope_table()'s cos_sin fp32 [max_pos, D]; row b's new
+token is cache row b at position p = lengths[b] - 1. The kernel rotates q itself and writes rotated k and v
+into the caches at (b, :, p) before attending over [0, lengths[b]), all bit for bit as rope_kv (pos = p,
+row = b) followed by attention_decode: p outside the table -> q = 0 and no write; p >= L or lengths[b] = 0
+-> no write.
 """
 
 from __future__ import annotations
@@ -119,6 +127,35 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def attention_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          lengths: torch.Tensor, n_heads: int, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                          chunk: int | None = None) -> torch.Tensor:
+    """RoPE + KV-cache write of the new token + decode attention in one launch -> out fp16 [B, H, D].
+
+    qkv fp16 [B, (n_heads + 2 Hkv) D]: row b's new token, at position lengths[b] - 1 of cache row b.
+    Equals rope_kv(qkv, cos_sin, pos=lengths - 1, row=arange(B), ...) then attention_decode on its q, bit
+    for bit, caches included (k_cache / v_cache, and k_scale / v_scale for int8, are written in place).
+    """
+    out, _, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False,
+                              cos_sin=cos_sin, n_heads=n_heads)
+    return out
+
+
+def attention_decode_rope_quant(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, lengths: torch.Tensor, n_heads: int,
+                                static_amax: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                                q_out: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_decode_rope with the output quantized per token -> (q_out int8 [B, H * D], a_scale fp32 [B]),
+    as attention_decode_quant quantizes it."""
+    _, q_out, a_scale = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
+                                      static_amax=static_amax, q_out=q_out, a_scale=a_scale, cos_sin=cos_sin,
+                                      n_heads=n_heads)
+    return q_out, a_scale
+
+
 def attention_decode_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
                            static_amax: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -146,8 +183,14 @@ def _smem_per_sm(device: torch.device) -> int:
 
 
 def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant: bool,
-                  static_amax=None, q_out=None, a_scale=None, splits: int | None = None):
-    B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
+                  static_amax=None, q_out=None, a_scale=None, splits: int | None = None,
+                  cos_sin: torch.Tensor | None = None, n_heads: int | None = None):
+    """q: the rotated query [B, H, D]; with cos_sin (RoPE mode), the fused QKV output [B, (H + 2 Hkv) D]."""
+    rope = cos_sin is not None
+    if rope:
+        B, H, D, Hkv, L = _check_rope(q, cos_sin, n_heads, k_cache, v_cache, lengths, k_scale, v_scale)
+    else:
+        B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     kv8 = k_cache.dtype == torch.int8
     check_static_amax(static_amax)
     groups = cdiv(H // Hkv, SLOTS)
@@ -168,10 +211,11 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
         part_o = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
         part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
         name = f"attn_fused_d{D}{'_kv8' if kv8 else ''}"
-        fn = build.get_function("attention_decode.cu", name, "PPPPPPPPPPPPPiiiiif")
+        fn = build.get_function("attention_decode.cu", name, "PPPPPPPPPPPPPPPiiiiiif")
         fn((S, launch.units), (FUSED_THREADS,), out, q_out if quant else None, a_scale if quant else None,
-           static_amax if quant else None, part_o, part_ml, counts, q, k_cache, v_cache, k_scale, v_scale,
-           lengths, H, Hkv, L, S, launch.span_tiles, math.log2(math.e) / math.sqrt(D), shared=launch.smem)
+           static_amax if quant else None, part_o, part_ml, counts, None if rope else q, q if rope else None,
+           cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S, launch.span_tiles,
+           cos_sin.shape[0] if rope else 0, math.log2(math.e) / math.sqrt(D), shared=launch.smem)
     return out, q_out, a_scale
 
 
@@ -204,11 +248,31 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale) -> tuple[int, int, in
                          f"and {tuple(k_cache.shape)}")
     B, H, D = q.shape
     _, Hkv, L, _ = k_cache.shape
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim {D} is not supported by the decode kernel (supported: {HEAD_DIMS})")
     if tuple(k_cache.shape) != (B, Hkv, L, D) or H % Hkv:
         raise ValueError(f"cache {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
     check_tensor(q, "q", torch.float16)
+    _check_cache(k_cache, v_cache, lengths, k_scale, v_scale)
+    return B, H, D, Hkv, L
+
+
+def _check_rope(qkv, cos_sin, n_heads, k_cache, v_cache, lengths, k_scale, v_scale) -> tuple[int, int, int, int, int]:
+    if k_cache.dim() != 4:
+        raise ValueError(f"the caches must be [B, Hkv, L, D], got {tuple(k_cache.shape)}")
+    B, Hkv, L, D = k_cache.shape
+    if not isinstance(n_heads, int) or Hkv == 0 or n_heads <= 0 or n_heads % Hkv:
+        raise ValueError(f"n_heads must be a positive multiple of the cache's {Hkv} kv heads, got {n_heads}")
+    _check_cache(k_cache, v_cache, lengths, k_scale, v_scale)
+    check_tensor(qkv, "qkv", torch.float16, (B, (n_heads + 2 * Hkv) * D))
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != D or cos_sin.shape[0] == 0:  # the kernel reads row 0 regardless
+        raise ValueError(f"cos_sin must be [max_pos, {D}] (rope_table), got {tuple(cos_sin.shape)}")
+    check_tensor(cos_sin, "cos_sin", torch.float32)
+    return B, n_heads, D, Hkv, L
+
+
+def _check_cache(k_cache, v_cache, lengths, k_scale, v_scale) -> None:
+    B, Hkv, L, D = k_cache.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported by the decode kernel (supported: {HEAD_DIMS})")
     dtype = (torch.float16, torch.int8)
     check_tensor(k_cache, "k_cache", dtype, (B, Hkv, L, D))
     check_tensor(v_cache, "v_cache", k_cache.dtype, (B, Hkv, L, D))
@@ -218,4 +282,3 @@ def _check(q, k_cache, v_cache, lengths, k_scale, v_scale) -> tuple[int, int, in
     if k_scale is not None:
         check_tensor(k_scale, "k_scale", torch.float32, (B, Hkv, L), align=4)
         check_tensor(v_scale, "v_scale", torch.float32, (B, Hkv, L), align=4)
-    return B, H, D, Hkv, L

@@ -7,14 +7,16 @@
 //   caches   [B, nkv, L, d]                    fp16, or int8 with fp32 scales [B, nkv, L] (absmax over d / 127)
 //
 // Numerics are transformers' (non-interleaved, rotate_half): cos/sin rounded to fp16, then
-// x*cos + rotate_half(x)*sin with every multiply and add rounded to fp16 (_rn: no FMA contraction).
+// x*cos + rotate_half(x)*sin with every multiply and add rounded to fp16 (_rn: no FMA contraction). The
+// arithmetic and the cache store live in rope.cuh, shared with the decode attention's RoPE mode, which
+// does this kernel's work for one new token per row inside attention_decode.cu.
 // A token whose position is outside [0, max_pos) gets q = 0 and no cache write; one outside the cache
 // (pos >= L or row outside [0, B)) gets its rotated q but no cache write.
 //
 // One block per token; thread unit u = head * G + g with G = d / 16 handles elements [8g, 8g+8) and
 // [d/2 + 8g, d/2 + 8g + 8) of one head (the rotation pairs). For the int8 cache the G lanes of a head
 // reduce their absmax with shuffles, so G must be a power of two (d in 16..512).
-#include "common.cuh"
+#include "rope.cuh"
 
 using namespace fllama;
 
@@ -30,28 +32,6 @@ struct RopeArgs {
     const int* row;
     int nh, nkv, d, L, B, max_pos;
 };
-
-__device__ __forceinline__ void load_cos_sin8(const float* p, __half (&out)[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    out[0] = __float2half_rn(a.x); out[1] = __float2half_rn(a.y);
-    out[2] = __float2half_rn(a.z); out[3] = __float2half_rn(a.w);
-    out[4] = __float2half_rn(b.x); out[5] = __float2half_rn(b.y);
-    out[6] = __float2half_rn(b.z); out[7] = __float2half_rn(b.w);
-}
-
-// (lo, hi) = (x1, x2) halves of one head -> (x1*c - x2*s, x2*c + x1*s), each op rounded to fp16.
-__device__ __forceinline__ void rotate8(Half8& lo, Half8& hi, const float* cs_row, int g, int half_d) {
-    __half c[8], s[8];
-    load_cos_sin8(cs_row + 8 * g, c);
-    load_cos_sin8(cs_row + half_d + 8 * g, s);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const __half x1 = half8_geth(lo, i), x2 = half8_geth(hi, i);
-        half8_set(lo, i, __hsub_rn(__hmul_rn(x1, c[i]), __hmul_rn(x2, s[i])));
-        half8_set(hi, i, __hadd_rn(__hmul_rn(x2, c[i]), __hmul_rn(x1, s[i])));
-    }
-}
 
 template <bool INT8>
 __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
@@ -94,22 +74,11 @@ __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
         const size_t slot = ((size_t)r * a.nkv + kvh) * a.L + p;  // cache (row, head, position)
         const bool write = active && head >= a.nh && cache_ok;
         if (!INT8) {
-            if (write) {
-                __half* dst = static_cast<__half*>(is_v ? a.v_cache : a.k_cache) + slot * a.d;
-                store_half8(dst + 8 * g, lo);
-                store_half8(dst + half_d + 8 * g, hi);
-            }
+            if (write) store_head_f16(a.k_cache, a.v_cache, is_v, slot, a.d, half_d, lo, hi, g);
         } else {
-            float m = active ? fmaxf(half8_absmax(lo), half8_absmax(hi)) : 0.0f;
-            for (int o = G / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-            if (write) {
-                const float amax = clamp_amax(m);
-                const float inv = __fdiv_rn(127.0f, amax);
-                int8_t* dst = static_cast<int8_t*>(is_v ? a.v_cache : a.k_cache) + slot * a.d;
-                quantize_store8(dst + 8 * g, lo, inv);
-                quantize_store8(dst + half_d + 8 * g, hi, inv);
-                if (g == 0) (is_v ? a.v_scale : a.k_scale)[slot] = __fdiv_rn(amax, 127.0f);
-            }
+            const float m = head_absmax(lo, hi, active, G);
+            if (write)
+                store_head_i8(a.k_cache, a.v_cache, a.k_scale, a.v_scale, is_v, slot, a.d, half_d, lo, hi, m, g);
         }
     }
 }

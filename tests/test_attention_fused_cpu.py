@@ -7,7 +7,9 @@ Three things the GPU tests cannot pin down on their own, emulated here without a
   kernel's lane addresses, the P transpose buffer's slot order, the int8 conversions, and the accumulator
   -> (head, dim) mapping of the merge, through an emulated mma.sync (test_kernel_fragments' emulator);
 - the online softmax per warp, the merge of the warps and the combine of the splits, as a float32 numpy
-  model against a float64 softmax.
+  model against a float64 softmax;
+- the RoPE mode: the new token lies in the last stage of its unit's last block (the one block that stores
+  it), and each lane's query words, rotated with the partner word the kernel picks, give rope_kv's q.
 Plus the launch geometry (pure Python) and, where nvcc is installed, ptxas's report on the fused entries.
 """
 
@@ -19,10 +21,12 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from kernels_cu import build
 from kernels_cu.attention_decode import (FUSED_PH_STRIDE, FUSED_STAGE, FUSED_STATIC_SMEM, FUSED_WARPS, MAX_SPLITS,
                                          fused_launch, fused_smem_bytes)
+from kernels_cu.rope_kv import rope_kv_ref, rope_table
 from tests.test_kernel_fragments import h2, i8x4_to_h2x2, mma_f16, prmt, u32, words_of
 
 RNG = np.random.default_rng(6)
@@ -273,6 +277,65 @@ def test_fused_model_matches_softmax(length, S, span):
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     assert rel < 2e-3, rel
+
+
+# ---------------------------------------------------------------- RoPE mode
+
+@pytest.mark.parametrize("L,S,span", [(37, 3, 0), (700, 12, 0), (2100, 12, 0), (4097, 49, 0), (1500, 94, 1),
+                                      (1500, 8, 13), (1500, 2, 63)])
+def test_new_token_is_in_the_last_stage_of_the_last_block(L, S, span):
+    """Position p = length - 1 belongs to the last active block only, and to its last stage: the block stores
+    it before the copies of that stage (stage 0's when it is the only one, else after the loop's barrier)."""
+    for length in range(1, L + 1):
+        ranges = split_ranges(length, L, S, span)
+        p = length - 1
+        lo, hi = ranges[-1]
+        assert lo <= p < hi and not any(a <= p < b for a, b in ranges[:-1]), (length, ranges)
+        nstages = (hi - lo + FUSED_STAGE - 1) // FUSED_STAGE
+        assert (p - lo) // FUSED_STAGE == nstages - 1
+
+
+def rope_query_lanes(x: np.ndarray, cs_row: np.ndarray, kv8: bool) -> np.ndarray:
+    """attention_decode.cu's rope_query for one head group: x fp16 [8, D] raw query heads (head g in lane group
+    g), cs_row fp32 [D] -> the rotated heads [8, D] as the lanes hold them afterwards."""
+    D = x.shape[1]
+    MT = D // 16
+    xb = x.view(np.uint8).reshape(-1)
+    words = []  # [lane][st][j] as the kernel's q load lays them out
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        if kv8:
+            words.append([words_of(xb, 2 * (g * D + t * (D // 4) + 4 * st), 2) for st in range(MT)])
+        else:
+            words.append([[words_of(xb, 2 * (g * D + 16 * st + 2 * t), 1)[0],
+                           words_of(xb, 2 * (g * D + 16 * st + 8 + 2 * t), 1)[0]] for st in range(MT)])
+    out = np.full((8, D), np.nan, dtype=np.float16)
+    hits = np.zeros((8, D), dtype=int)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for st in range(MT):
+            for j in range(2):
+                dim = t * (D // 4) + 4 * st + 2 * j if kv8 else 16 * st + 8 * j + 2 * t
+                partner = words[lane ^ 2][st][j] if kv8 else words[lane][st ^ (MT // 2)][j]
+                low = t < 2 if kv8 else st < MT // 2
+                i = dim & (D // 2 - 1)
+                c, s = cs_row[i:i + 2].astype(np.float16), cs_row[D // 2 + i:D // 2 + i + 2].astype(np.float16)
+                own, other = h2(words[lane][st][j]), h2(partner)  # numpy fp16: each op rounded, as _rn
+                out[g, dim:dim + 2] = own * c - other * s if low else own * c + other * s
+                hits[g, dim:dim + 2] += 1
+    assert (hits == 1).all()
+    return out
+
+
+@pytest.mark.parametrize("kv8", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_rope_query_lanes_give_rope_kv_q(D, kv8):
+    heads, p = 8, 1234
+    qkv = torch.from_numpy(RNG.standard_normal((1, (heads + 2) * D)).astype(np.float16) * 3)  # [1, (8 + 2) D]
+    table = rope_table(D, 10000.0, 2048)  # [2048, D]
+    want, _, _ = rope_kv_ref(qkv, table, torch.tensor([p]), heads, 1)  # [1, 8, D]
+    got = rope_query_lanes(qkv[0, :heads * D].numpy().reshape(heads, D), table[p].numpy(), kv8)
+    np.testing.assert_array_equal(got.view(np.uint16), want[0].numpy().view(np.uint16))
 
 
 # ---------------------------------------------------------------- ptxas report

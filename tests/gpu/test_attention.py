@@ -3,7 +3,9 @@
 Cache positions past each row's length hold NaN (fp16) or NaN scales (int8): a kernel that reads or
 weights them fails loudly. Both decode paths run: fused (one launch, counters the kernel resets itself)
 and fused=False (two kernels); the int8-output variant must equal quantize_ref of its own fp16 output
-bit for bit, in plain calls, repeated calls and CUDA-graph replays.
+bit for bit, in plain calls, repeated calls and CUDA-graph replays. The RoPE mode (the fused kernel doing
+rope_kv's work for the new token) must equal rope_kv followed by the fused kernel bit for bit: outputs and
+whole caches.
 """
 
 import pytest
@@ -16,9 +18,11 @@ if not GPU_STACK:
 
 from kernels_cu import attention_decode as ad  # noqa: E402
 from kernels_cu import build, counters  # noqa: E402
-from kernels_cu.attention_decode import attention_decode, attention_decode_quant, attention_decode_ref  # noqa: E402
+from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_ref,  # noqa: E402
+                                         attention_decode_rope, attention_decode_rope_quant)
 from kernels_cu.quantize import quantize_ref  # noqa: E402
 from kernels_cu.attention_prefill import attention_prefill, attention_prefill_ref  # noqa: E402
+from kernels_cu.rope_kv import rope_kv, rope_table  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -262,6 +266,184 @@ def test_fused_replays_in_a_cuda_graph(quant):
             check_quant(res[0], res[1], o16, None, ref, f"graph replay lengths={lens}")
         else:
             check(res[0], ref, f"graph replay lengths={lens}")
+        counters_are_zero()
+
+
+# ---------------------------------------------------------------- RoPE mode (attention_decode_rope[_quant])
+
+VARIANTS = pytest.mark.parametrize("variant", ["plain", "dynamic", "static"])
+
+
+class RopeCase:
+    """One decode step: qkv [B, (H + 2 Hkv) D], a cos/sin table, lengths, and two identical copies of the caches
+    (new path, old path). Positions from each row's new token on hold NaN (fp16) or NaN scales (int8): the
+    new token's slot must be written before it is read, and nothing past it may be read."""
+
+    def __init__(self, H, Hkv, D, L, lengths, int8, seed, max_pos=None, clean_from=None):
+        B = len(lengths)
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")  # [B]
+        self.qkv = randn(B, (H + 2 * Hkv) * D, scale=2.0, seed=seed)  # [B, (H + 2 Hkv) D]
+        self.cos_sin = rope_table(D, 10000.0, max_pos or L + 16, device="cuda")  # [max_pos, D]
+        first = [max(n - 1, 0) for n in lengths] if clean_from is None else clean_from
+        k, v, ks, vs = make_cache(B, Hkv, L, D, torch.tensor(first), int8, seed + 1)
+        self.new = [t if t is None else t.clone() for t in (k, v, ks, vs)]
+        self.old = [t if t is None else t.clone() for t in (k, v, ks, vs)]
+
+    def rope_kv(self) -> torch.Tensor:
+        """The old path's first launch on the old caches: q [B, H, D]. An empty row's position -1 lies outside
+        the table: q = 0 and no write, as the RoPE mode treats it."""
+        k, v, ks, vs = self.old
+        B = self.qkv.shape[0]
+        row = torch.arange(B, dtype=torch.int32, device="cuda")
+        return rope_kv(self.qkv, self.cos_sin, self.lengths - 1, row, k, v, self.H, self.Hkv, k_scale=ks, v_scale=vs)
+
+    def assert_caches_equal(self, what: str) -> None:
+        for name, a, b in zip(("k", "v", "k_scale", "v_scale"), self.new, self.old):
+            if a is not None:
+                assert_equal(a, b, f"{what}: {name} cache")
+
+
+def launch_rope(case: RopeCase, variant: str, new: bool, chunk=None):
+    """One path on its own caches -> (out,) or (out, q_out, a_scale), outputs poisoned first. new: the RoPE
+    mode; else rope_kv then the fused kernel on its q."""
+    B, H, D = case.qkv.shape[0], case.H, case.D
+    k, v, ks, vs = case.new if new else case.old
+    out = torch.empty(B, H, D, dtype=torch.float16, device="cuda")
+    poison(out)
+    if variant == "plain":
+        if new:
+            attention_decode_rope(case.qkv, case.cos_sin, k, v, case.lengths, H, ks, vs, out=out, chunk=chunk)
+        else:
+            attention_decode(case.rope_kv(), k, v, case.lengths, ks, vs, out=out, chunk=chunk)
+        return (out,)
+    amax = torch.tensor([2.5], dtype=torch.float32, device="cuda") if variant == "static" else None
+    q_out = torch.empty(B, H * D, dtype=torch.int8, device="cuda")
+    a_scale = torch.empty(B, dtype=torch.float32, device="cuda")
+    poison(q_out, a_scale)
+    if new:
+        attention_decode_rope_quant(case.qkv, case.cos_sin, k, v, case.lengths, H, amax, ks, vs, out=out,
+                                    q_out=q_out, a_scale=a_scale, chunk=chunk)
+    else:
+        attention_decode_quant(case.rope_kv(), k, v, case.lengths, amax, ks, vs, out=out, q_out=q_out,
+                               a_scale=a_scale, chunk=chunk)
+    return out, q_out, a_scale
+
+
+def assert_same(got, want, what: str) -> None:
+    for name, a, b in zip(("out", "q_out", "a_scale"), got, want):
+        assert_equal(a, b, f"{what}: {name}")
+
+
+def check_rope(case: RopeCase, variant: str, chunk=None, what: str = "") -> None:
+    got = launch_rope(case, variant, True, chunk)
+    assert_same(got, launch_rope(case, variant, False, chunk), what)
+    case.assert_caches_equal(what)
+    counters_are_zero()
+    # the comparison means something: the new token was written where it fits, and attended to
+    L = case.new[0].shape[2]
+    for b, n in enumerate(case.lengths.tolist()):
+        if 0 < n <= L and n - 1 < case.cos_sin.shape[0]:
+            slot = case.new[0 if case.new[2] is None else 2][b, :, n - 1]  # fp16 k, or the int8 k scales
+            assert bool(torch.isfinite(slot.float()).all()), f"{what}: row {b} position {n - 1} not written"
+    k, v, ks, vs = case.old
+    q = case.rope_kv()  # rewrites the same bytes into the old caches
+    check(got[0], attention_decode_ref(q, k, v, case.lengths.cpu(), ks, vs), f"{what}: vs float32 reference")
+
+
+def rope_lengths(batch: str, L: int) -> list[int]:
+    if batch == "one":
+        return [L - 40]
+    return [1, L // 2 + 1, 0, L + 1, L]  # length 1, odd, empty, new token past the cache, last slot
+
+
+@VARIANTS
+@pytest.mark.parametrize("batch", ["one", "ragged"])
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("int8", [False, True], ids=["f16cache", "i8cache"])
+def test_rope_mode_matches_rope_kv_then_attention(int8, D, H, Hkv, batch, variant):
+    L = 2100 if batch == "one" else 700
+    case = RopeCase(H, Hkv, D, L, rope_lengths(batch, L), int8, seed=D + H + Hkv + len(batch))
+    check_rope(case, variant, what=f"rope {batch} H={H} Hkv={Hkv} D={D} int8={int8} {variant}")
+
+
+@pytest.mark.parametrize("chunk", [16, 48, 208, 1008])
+@pytest.mark.parametrize("D,int8,H,Hkv", [(128, False, 32, 8), (64, True, 16, 1), (128, True, 32, 32),
+                                          (64, False, 9, 3)])
+def test_rope_mode_fixed_chunks(chunk, D, int8, H, Hkv):
+    """The new token in a block of many stages (its K/V stored while stage 0 streams) and in one of many
+    partials, at the start, inside and at the end of its block."""
+    L = 1500
+    case = RopeCase(H, Hkv, D, L, [1500, 1, 777, 1024, 1025], int8, seed=chunk + D)
+    variant = "dynamic" if chunk in (48, 1008) else "plain"
+    check_rope(case, variant, chunk, f"rope chunk={chunk} D={D} int8={int8} H={H} Hkv={Hkv}")
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["f16cache", "i8cache"])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 64, 65, 2049])
+def test_rope_mode_batch_1_every_split_shape(n, int8):
+    """(32, 32) heads at batch 1 spread a row over 12 (fp16) or 16 (int8) blocks: at 2049 positions the last
+    block spans 3 stages, and its K/V store overlaps stage 0."""
+    case = RopeCase(32, 32, 128, 2100, [n], int8, seed=n)
+    check_rope(case, "plain", what=f"rope B=1 len={n} int8={int8}")
+
+
+def test_rope_mode_position_past_the_table():
+    """p beyond the cos/sin table: q = 0 and no write, so position p keeps what the cache held (valid data
+    here: the row's clean prefix reaches past p)."""
+    case = RopeCase(8, 2, 64, 64, [5, 40, 20], False, seed=3, max_pos=20, clean_from=[4, 40, 20])
+    check_rope(case, "plain", what="past the table")
+    check_rope(case, "dynamic", what="past the table, quant")
+
+
+def test_rope_mode_checks_its_arguments():
+    case = RopeCase(8, 2, 64, 64, [5, 40], False, seed=3)
+    k, v, _, _ = case.new
+    with pytest.raises(ValueError, match="qkv"):
+        attention_decode_rope(case.qkv[:, :-64].contiguous(), case.cos_sin, k, v, case.lengths, 8)
+    with pytest.raises(ValueError, match="n_heads"):
+        attention_decode_rope(case.qkv, case.cos_sin, k, v, case.lengths, 7)
+    with pytest.raises(ValueError, match="cos_sin"):
+        attention_decode_rope(case.qkv, case.cos_sin[:, :32].contiguous(), k, v, case.lengths, 8)
+    with pytest.raises(ValueError, match="cos_sin"):
+        attention_decode_rope(case.qkv, case.cos_sin.half(), k, v, case.lengths, 8)
+
+
+@pytest.mark.parametrize("quant", [False, True], ids=["fp16", "int8-out"])
+@pytest.mark.parametrize("int8", [False, True], ids=["f16cache", "i8cache"])
+def test_rope_mode_replays_in_a_cuda_graph(quant, int8):
+    """One capture of the RoPE mode; between replays qkv, lengths and the caches are rewritten in place. Each
+    replay equals the old path run eagerly on its own copy of the caches."""
+    B, H, Hkv, D, L = 3, 32, 8, 128, 3000
+    live = RopeCase(H, Hkv, D, L, [1, 1, 1], int8, seed=41)  # the buffers the graph reads and writes
+    k, v, ks, vs = live.new
+    o16 = torch.empty(B, H, D, dtype=torch.float16, device="cuda")
+
+    def call():
+        if quant:
+            return (o16, *attention_decode_rope_quant(live.qkv, live.cos_sin, k, v, live.lengths, H, None, ks, vs,
+                                                      out=o16))
+        return (attention_decode_rope(live.qkv, live.cos_sin, k, v, live.lengths, H, ks, vs, out=o16),)
+
+    call()  # compile and allocate the counters outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=build.torch_stream()):
+        res = call()
+    for i, lens in enumerate(([5, 700, 2999], [2048, 0, 16], [1, 3000, 3001])):
+        case = RopeCase(H, Hkv, D, L, lens, int8, seed=50 + i)
+        live.qkv.copy_(case.qkv)
+        live.lengths.copy_(case.lengths)
+        for dst, src in zip(live.new, case.new):
+            if dst is not None:
+                dst.copy_(src)
+        poison(*res)
+        g.replay()
+        build.synchronize()
+        case.new = live.new
+        what = f"graph replay lengths={lens}"
+        assert_same(res, launch_rope(case, "dynamic" if quant else "plain", False), what)
+        case.assert_caches_equal(what)
         counters_are_zero()
 
 
