@@ -22,12 +22,16 @@
 // EPI 0: y fp16 [M, N];  1: + residual (fp16 add after rounding);  2: SwiGLU of a gate|up panel
 // interleaved by 8 (rows 0-7 gate channels 8b.., rows 8-15 the same up channels): y [M, N / 2] =
 // fp16(silu(fp16 gate)) * fp16 up, silu_mul.cu's rounding.
-// Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles)
-//   grid (N / 16, ceil(M / (8 * MT))), block 128.
+// The deferred RMSNorm (norm_fold.cuh), chosen at run time by non-null pointers: fold_w (EPI 1 only) makes
+// this GEMV a producer (also xg = fp16(h * fold_w) and the panel's sum of h^2); fold_in a consumer (x is xg,
+// each token's sums scaled by its rstd before rounding).
+// Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
+//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
 #include "common.cuh"
 #include "gemm_common.cuh"
+#include "norm_fold.cuh"
 
 using namespace fllama;
 
@@ -40,16 +44,25 @@ constexpr int TILE_WORDS = 256;  // 1 KB: 2 rows x 32 lanes x 4 words
 template <int MT, int GPT, int EPI, int U>
 __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* __restrict__ x,
                                          const uint32_t* __restrict__ packed, const uint32_t* __restrict__ terms,
-                                         const __half* __restrict__ residual, int M, int N, int K, int tiles) {
+                                         const __half* __restrict__ residual, int M, int N, int K, int tiles,
+                                         const __half* __restrict__ fold_w, __half* __restrict__ fold_xg,
+                                         float* __restrict__ fold_part, const float* __restrict__ fold_in,
+                                         float eps) {
     constexpr int MPG = 8 / GPT;  // mma per group
     constexpr int UPG = 4 / GPT;  // 16-byte activation loads per group-run
     constexpr int GS = TILE_K / GPT;
     static_assert(GPT == 1 || GPT == 2 || GPT == 4, "groups of 128, 64 or 32 k per tile run");
     __shared__ float red[WARPS][MT][4][32];
+    __shared__ float s_rstd[8 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int panel = blockIdx.x;
     const int m0 = blockIdx.y * 8 * MT;
+    const int rows = min(M - m0, 8 * MT);
+    // the deferred norm is compiled where the registers allow it: MT * GPT <= 4 (up to 8 tokens any group size, 16
+    // with groups of 64 or 128 k); the others are at their budget without it (norm_fold.py: awq_gemv.folds)
+    constexpr bool FOLD = MT * GPT <= 4;
+    if (!FOLD) fold_w = nullptr, fold_in = nullptr;
 
     bool x_ok[MT];
     const __half* x_row[MT];
@@ -163,11 +176,15 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
 
     // Two step buffers used in turn (copying one into the other would cost 40 moves per step).
     Step sa, sb;
-    // weights and terms do not depend on the previous kernel: in flight before the wait
+    // weights and terms do not depend on the previous kernel: in flight before the wait (as the producer's norm
+    // weight, channels g and g + 8 of the panel)
+    __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
+    if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[panel * 16 + g], fold_w[panel * 16 + g + 8]);
     if (full_steps > 0) load_w(false, 0, wq, tq, sa);
     else load_w(true, 0, wq, tq, sa);
     pdl_wait();
     pdl_gemv_started();
+    if (fold_in != nullptr) fold_prefetch<WARPS>(fold_in, m0, rows, K / 16);  // L1 by the tail
     int s = 0;
     for (; s + 1 < full_steps; s += 2) {
         full_step(s, sa, sb);
@@ -181,24 +198,36 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     }
 
     pdl_gemv_streamed();
+    // the deferred norm: each warp's rstd (its 8 MT / WARPS tokens), read by all after the barrier below
+    if (fold_in != nullptr) fold_rstd<WARPS, 2 * MT>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
-    __syncthreads();
+    __syncthreads();  // red, and the deferred norm's s_rstd
 
     // Thread (r, l) sums accumulator r of lane l over the warps in a fixed order (deterministic).
     const int r = warp, l = lane;
+    auto red_sum = [&](int mt, int rr) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
+        return sum;
+    };
+    if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
+        if (r >= 2) return;                // warp-uniform
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            fold_store(y, fold_xg, fold_part, residual, nw, red_sum(mt, r), red_sum(mt, r + 2),
+                       m0 + mt * 8 + 2 * (l & 3) + (r & 1), M, N, panel * 16 + (l >> 2), panel);
+        return;
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
-        auto total = [&](int rr) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
-            return sum;
-        };
         if (m >= M) continue;
+        const float rstd = fold_in != nullptr ? s_rstd[m - m0] : 1.0f;
+        auto total = [&](int rr) { return fold_in != nullptr ? red_sum(mt, rr) * rstd : red_sum(mt, rr); };
         if (EPI == 2) {  // rows g (r 0, 1) are gate channels, rows g + 8 (r 2, 3) the matching up channels
             if (r < 2) {
                 const int f = panel * 8 + (l >> 2);
@@ -248,13 +277,15 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
 }  // namespace
 
 // (y fp16, x fp16 [M,K], packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles * GPT, 8, 2],
-//  residual fp16 [M,N] or null, int M, int N, int K, int tiles)
-#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, BLOCKS, NAME)                                                    \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS)                                              \
-        awq_gemv_mt##MT##_g##GPT##_##NAME(__half* y, const __half* x, const uint32_t* packed,            \
-                                          const uint32_t* terms, const __half* residual, int M, int N,    \
-                                          int K, int tiles) {                                              \
-        awq_gemv<MT, GPT, EPI, U>(y, x, packed, terms, residual, M, N, K, tiles);                          \
+//  residual fp16 [M,N] or null, int M, int N, int K, int tiles, fold_w fp16 [N] or null, fold_xg fp16 [M,N],
+//  fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
+#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, BLOCKS, NAME)                                                     \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) awq_gemv_mt##MT##_g##GPT##_##NAME(           \
+        __half* y, const __half* x, const uint32_t* packed, const uint32_t* terms, const __half* residual,  \
+        int M, int N, int K, int tiles, const __half* fold_w, __half* fold_xg, float* fold_part,            \
+        const float* fold_in, float eps) {                                                                  \
+        awq_gemv<MT, GPT, EPI, U>(y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, \
+                                  fold_in, eps);                                                            \
     }
 #define FLLAMA_AWQ_GEMV_EPIS(MT, GPT, U, BLOCKS)                                                 \
     FLLAMA_AWQ_GEMV(MT, GPT, 0, U, BLOCKS, plain) FLLAMA_AWQ_GEMV(MT, GPT, 1, U, BLOCKS, res) \

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from calibrate.awq_pack import unpack_awq
-from kernels_cu import awq_batch, build
+from kernels_cu import awq_batch, build, norm_fold
 from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, token_tile
 from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
+from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved
 
 TILE_K = 128
@@ -31,6 +32,8 @@ PANEL = 16
 GEMV_MAX_M = 64  # above: dequantize + cuBLAS (one weight read per 32 tokens costs more than a dequant pass)
 BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) instead of the GEMV
 THREADS = 128
+# y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
+SIGNATURE = "PPPPPiiiiPPPPf"
 # Position r (0..7) of a word's eight values (mma 2w: r 0-3, mma 2w + 1: r 4-7) lives in nibble NIBBLE_OF[r].
 NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -140,10 +143,16 @@ def unpack_from_gemv(p: AwqPacked) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+               fold_out: FoldOut | None = None) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows (the batch GEMM from
-    BATCH_MIN_M where N % 64 == 0), else w_hat + cuBLAS (awq_wgmma.py says why not its fused GEMM)."""
+    BATCH_MIN_M where N % 64 == 0), else w_hat + cuBLAS (awq_wgmma.py says why not its fused GEMM).
+    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), on the GEMV path only (`folds`)."""
     M = _check(x, p, residual)
+    if fold_in is not None or fold_out is not None:
+        if not folds(p, M):
+            raise ValueError(f"the deferred RMSNorm runs on the AWQ GEMV only (M < {BATCH_MIN_M}), got M = {M}")
+        return _gemv(x, p, residual, out, fold_in, fold_out)
     if BATCH_MIN_M <= M <= GEMV_MAX_M and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)
     if M <= GEMV_MAX_M:
@@ -158,10 +167,21 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
 
 
 def awq_gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+             fold_out: FoldOut | None = None) -> torch.Tensor:
     """The GEMV kernel for any M (it re-reads the weight once per 32 rows: meant for M <= 64)."""
     _check(x, p, residual)
-    return _gemv(x, p, residual, out)
+    return _gemv(x, p, residual, out, fold_in, fold_out)
+
+
+def folds(p: AwqPacked, m: int) -> bool:
+    """Whether awq_linear of m rows takes the deferred RMSNorm: on the GEMV, in the variants that compile it."""
+    return m < BATCH_MIN_M and _fold_compiled(token_tile(m, AWQ_WIDEST_TILE), p.gpt)
+
+
+def _fold_compiled(mt: int, gpt: int) -> bool:
+    """awq_gemv.cu's FOLD: the deferred norm where the registers allow it (MT * GPT <= 4)."""
+    return mt * gpt <= 4
 
 
 def awq_batch_gemm(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
@@ -173,16 +193,23 @@ def awq_batch_gemm(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None 
     return awq_batch.launch(x, p, residual, out, splits)
 
 
-def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None,
+          fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
     M = x.shape[0]
+    if fold_out is not None and residual is None:
+        raise ValueError("a deferred-norm producer is the GEMV that adds the residual")
+    norm_fold.check_out(fold_out, M, p.n)
+    norm_fold.check_in(fold_in, M, p.k)
     with build.on_stream():
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=2)
         if M == 0:
             return y
         mt = token_tile(M, AWQ_WIDEST_TILE)
-        fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}", "PPPPPiiii")
-        fn(gemv_grid(M, p.n), (THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
-           p.tiles)
+        if not _fold_compiled(mt, p.gpt) and (fold_in is not None or fold_out is not None):
+            raise ValueError(f"the AWQ GEMV variant for {M} rows and groups of {p.gs} k takes no deferred RMSNorm")
+        fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}", SIGNATURE)
+        fn(gemv_grid(M, p.n), (THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k, p.tiles,
+           *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
     return y
 
 

@@ -1,5 +1,6 @@
 """Embedding lookup (embedding.cu): rows of an fp16 table gathered by int32 or int64 token ids.
-An id outside [0, V) gives a zero row (the kernel cannot raise; the engine validates ids on the host)."""
+An id outside [0, V) gives a zero row (the kernel cannot raise; the engine validates ids on the host).
+`embedding_fold` also writes the first layer's deferred RMSNorm (norm_fold.py) for a folded decode step."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import torch
 
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
+from kernels_cu.norm_fold import FoldOut, check_out
 
 SIGNATURE = "PPPii"  # out, table, ids, V, H
+FOLD_SIGNATURE = "PPPPPPii"  # out, xg, part, table, ids, w, V, H
 THREADS = 128
 
 
@@ -21,16 +24,41 @@ def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def embedding(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """table fp16 [V, H], ids int32/int64 [T] on the GPU -> fp16 [T, H]."""
+    V, H, T = _check(table, ids)
+    out = out_or_new(out, (T, H), torch.float16, table, "out")
+    if T:
+        build.get_function("embedding.cu", f"embedding_{_id_type(ids)}", SIGNATURE)(
+            (T,), (_threads(H),), out, table, ids, V, H)
+    return out
+
+
+def embedding_fold(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, FoldOut]:
+    """The lookup, plus the deferred RMSNorm of its rows with weight w [H]: (h fp16 [T, H], FoldOut)."""
+    V, H, T = _check(table, ids)
+    out = out_or_new(out, (T, H), torch.float16, table, "out")
+    fold = FoldOut.new(w, T)
+    check_out(fold, T, H)
+    if T:
+        build.get_function("embedding.cu", f"embedding_fold_{_id_type(ids)}", FOLD_SIGNATURE)(
+            (T,), (_threads(H),), out, fold.xg, fold.part, table, ids, w, V, H)
+    return out, fold
+
+
+def _check(table: torch.Tensor, ids: torch.Tensor) -> tuple[int, int, int]:
     if table.dim() != 2 or ids.dim() != 1:
         raise ValueError(f"table must be [V, H] and ids [T], got {tuple(table.shape)} and {tuple(ids.shape)}")
     V, H = table.shape
-    T = ids.shape[0]
     check_multiple(H, 8, "hidden size")
     check_tensor(table, "table", torch.float16)
     check_tensor(ids, "ids", (torch.int32, torch.int64), align=ids.element_size())
-    out = out_or_new(out, (T, H), torch.float16, table, "out")
-    if T:
-        name = "embedding_i32" if ids.dtype == torch.int32 else "embedding_i64"
-        threads = min(THREADS, max(32, -(-(H // 8) // 32) * 32))
-        build.get_function("embedding.cu", name, SIGNATURE)((T,), (threads,), out, table, ids, V, H)
-    return out
+    return V, H, ids.shape[0]
+
+
+def _id_type(ids: torch.Tensor) -> str:
+    return "i32" if ids.dtype == torch.int32 else "i64"
+
+
+def _threads(H: int) -> int:
+    """A thread per 16 bytes of the row (whole warps), at most THREADS."""
+    return min(THREADS, max(32, -(-(H // 8) // 32) * 32))

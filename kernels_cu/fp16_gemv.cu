@@ -6,8 +6,12 @@
 // g + 8 and of activation row g, and feeds two m16n8k16 mma with A = weights, B = tokens (D = y^T).
 // The lane's 8 halves go 4 + 4 to the two mma (a0/a2 = halves 0-1/2-3, then 4-5/6-7) and the activation
 // halves the same way. The main loop is gemm_common.cuh gemv_mainloop, shared with int8_gemv.
+// The deferred RMSNorm (norm_fold.cuh), chosen at run time by non-null pointers: fold_w (EPI 1 only) makes
+// this GEMV a producer (also xg = fp16(h * fold_w) and each panel's sum of h^2; N % 16 == 0), fold_in a
+// consumer (x is xg, each token's sums scaled by its rstd before rounding).
 // grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
 #include "gemm_common.cuh"
+#include "norm_fold.cuh"
 
 using namespace fllama;
 
@@ -17,17 +21,31 @@ constexpr int WARPS = 8;
 constexpr int UNROLL = 4;
 constexpr int TILE_K = 32;
 
+// The main loop's hook for a deferred-norm consumer (fold_in non-null): the partial sums towards L1 right
+// after the PDL wait (norm_fold.cuh).
+struct FoldHook {
+    const float* fold_in;
+    int m0, rows, K;
+    __device__ __forceinline__ void operator()() const {
+        if (fold_in != nullptr) fold_prefetch<WARPS>(fold_in, m0, rows, K / 16);
+    }
+};
+
 // EPI: 0 plain, 1 + residual, 2 SwiGLU of a gate|up weight interleaved by 8 (block rows 0-7 = gate
 // channels 8b.., rows 8-15 = the same up channels): y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up.
 template <int MT, int EPI>
 __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* __restrict__ x,
                                           const __half* __restrict__ weight, const __half* __restrict__ residual,
-                                          int M, int N, int K) {
+                                          int M, int N, int K, const __half* __restrict__ fold_w,
+                                          __half* __restrict__ fold_xg, float* __restrict__ fold_part,
+                                          const float* __restrict__ fold_in, float eps) {
     __shared__ float red[WARPS][MT][4][32];
+    __shared__ float s_rstd[8 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
     const int m0 = blockIdx.y * 8 * MT;
+    const int rows = min(M - m0, 8 * MT);
 
     const bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
     const __half* w_lo = weight + (size_t)(lo_ok ? n0 + g : 0) * K + 8 * t;
@@ -41,35 +59,49 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][r] = 0.0f;
+    // the producer's norm weight (channels g, g + 8) before the main loop: it does not wait for the previous kernel
+    __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
+    if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[n0 + g], fold_w[n0 + g + 8]);
 
     gemv_mainloop<WARPS, UNROLL, TILE_K>(w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 8 * t, warp, acc,
                                          [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                            uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); });
+                                            uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); },
+                                         FoldHook{fold_in, m0, rows, K});
+    // the deferred norm: each warp's rstd (its 8 MT / WARPS tokens), read by all after the barrier below
+    if (fold_in != nullptr) fold_rstd<WARPS, MT>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
-    __syncthreads();
+    __syncthreads();  // red, and the deferred norm's s_rstd
 
     if (threadIdx.x >= MT * 128) return;
     const int mt = threadIdx.x >> 7, r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
-    float sum = 0.0f;
+    const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+    auto red_sum = [&](int rr) {
+        float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) sum += red[w][mt][r][l];
+        for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
+        return sum;
+    };
+    if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
+        if (r < 2)                         // warp-uniform
+            fold_store(y, fold_xg, fold_part, residual, nw, red_sum(r), red_sum(r + 2), m, M, N,
+                       n0 + (l >> 2), blockIdx.x);
+        return;
+    }
+    const float rstd = fold_in != nullptr && m < M ? s_rstd[m - m0] : 1.0f;
+    const float sum = fold_in != nullptr ? red_sum(r) * rstd : red_sum(r);
     if (EPI == 2) {  // r 0, 1: gate channel g of this block; r + 2: the matching up channel (same order)
-        const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
         if (r < 2 && m < M) {
-            float up_sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) up_sum += red[w][mt][r + 2][l];
+            const float up_sum = fold_in != nullptr ? red_sum(r + 2) * rstd : red_sum(r + 2);
             const __half gate = __float2half_rn(sum), up = __float2half_rn(up_sum);
             y[(size_t)m * (N / 2) + blockIdx.x * 8 + (l >> 2)] = __hmul_rn(silu_h(__half2float(gate)), up);
         }
         return;
     }
     const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
-    const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
     if (n < N && m < M) {
         const size_t o = (size_t)m * N + n;
         const __half h = __float2half_rn(sum);
@@ -79,11 +111,13 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
 
 }  // namespace
 
-// (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K)
-#define FLLAMA_FP16_GEMV(NAME, MT, EPI)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K) { \
-        fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K);                                               \
+// (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K,
+//  fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
+#define FLLAMA_FP16_GEMV(NAME, MT, EPI)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                       \
+        NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K,  \
+             const __half* fold_w, __half* fold_xg, float* fold_part, const float* fold_in, float eps) {     \
+        fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps);       \
     }
 
 FLLAMA_FP16_GEMV(fp16_gemv_mt1, 1, 0)

@@ -14,20 +14,27 @@ from __future__ import annotations
 
 import torch
 
-from kernels_cu import build
+from kernels_cu import build, norm_fold
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, gemv_grid, token_tile
+from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.silu_mul import silu_mul_interleaved
 from kernels_cu.swiglu_layout import swiglu_interleaved
 
 DECODE_MAX_M = 16
+# y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps
+SIGNATURE = "PPPPiiiPPPPf"
 
 
 def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x fp16 [M, K], weight fp16 [N, K] -> y fp16 [M, N]: the GEMV kernel up to 16 rows, cuBLAS above."""
+                out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+                fold_out: FoldOut | None = None) -> torch.Tensor:
+    """x fp16 [M, K], weight fp16 [N, K] -> y fp16 [M, N]: the GEMV kernel up to 16 rows, cuBLAS above.
+    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), GEMV rows only."""
     if x.dim() == 2 and x.shape[0] <= DECODE_MAX_M:
-        return fp16_gemv(x, weight, residual, out)
+        return fp16_gemv(x, weight, residual, out, fold_in, fold_out)
+    if fold_in is not None or fold_out is not None:
+        raise ValueError(f"the deferred RMSNorm runs on the fp16 GEMV only (M <= {DECODE_MAX_M})")
     _check(x, weight, residual)
     with build.on_stream():
         if residual is None:
@@ -39,31 +46,45 @@ def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 
 def fp16_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+              fold_out: FoldOut | None = None) -> torch.Tensor:
     """The GEMV kernel for any M (it re-reads the weight once per 16 rows: meant for M <= 16)."""
     M, K, N = _check(x, weight, residual)
+    if fold_out is not None and residual is None:
+        raise ValueError("a deferred-norm producer is the GEMV that adds the residual")
     with build.on_stream():
         y = out_or_new(out, (M, N), torch.float16, x, "out", align=2)
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        fn = build.get_function("fp16_gemv.cu", f"fp16_gemv_mt{token_tile(M)}{res}", "PPPPiii")
-        fn(gemv_grid(M, N), (GEMV_THREADS,), y, x, weight, residual, M, N, K)
+        _launch(f"fp16_gemv_mt{token_tile(M)}{res}", y, x, weight, residual, fold_in, fold_out)
     return y
 
 
-def fp16_swiglu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def fp16_swiglu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                fold_in: FoldIn | None = None) -> torch.Tensor:
     """x fp16 [M, K], interleaved gate|up weight [2F, K] -> silu(x @ gate^T) * (x @ up^T) fp16 [M, F]."""
     M, K, N = _check(x, weight, None)
     check_multiple(N, 16, "an interleaved gate|up weight's rows")
     with build.on_stream():
         if M > DECODE_MAX_M:
+            if fold_in is not None:
+                raise ValueError(f"the deferred RMSNorm runs on the fp16 GEMV only (M <= {DECODE_MAX_M})")
             return silu_mul_interleaved(torch.matmul(x, weight.t()), out)  # [M, 2F] -> [M, F]
         y = out_or_new(out, (M, N // 2), torch.float16, x, "out", align=2)
         if M:
-            fn = build.get_function("fp16_gemv.cu", f"fp16_gemv_mt{token_tile(M)}_silu", "PPPPiii")
-            fn(gemv_grid(M, N), (GEMV_THREADS,), y, x, weight, None, M, N, K)
+            _launch(f"fp16_gemv_mt{token_tile(M)}_silu", y, x, weight, None, fold_in, None)
     return y
+
+
+def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out: FoldOut | None) -> None:
+    M, K = x.shape
+    N = weight.shape[0]
+    norm_fold.check_out(fold_out, M, N)
+    norm_fold.check_in(fold_in, M, K)
+    fn = build.get_function("fp16_gemv.cu", name, SIGNATURE)
+    fn(gemv_grid(M, N), (GEMV_THREADS,), y, x, weight, residual, M, N, K, *norm_fold.out_args(fold_out),
+       *norm_fold.in_args(fold_in))
 
 
 def fp16_swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -247,11 +247,17 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 // mma(acc[mt], a0, a1, a2, a3, b0, b1) takes the two k-halves of them (a0/a2 = words 0-1 of row g, then 2-3).
 // K % (16 bytes of T) == 0: a lane's 16 bytes are all in or all out. Loads are software-pipelined one step
 // ahead (ptxas would otherwise sink each load next to its mma and keep only a quarter of them in flight);
-// the first step's weights depend on no earlier kernel and are in flight before pdl_wait().
-template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, typename Mma>
+// the first step's weights depend on no earlier kernel and are in flight before pdl_wait(); after_wait()
+// runs right after it (the fp16 GEMV's deferred norm prefetches there, norm_fold.cuh).
+struct NoHook {
+    __device__ __forceinline__ void operator()() const {}
+};
+template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, typename Mma,
+          typename AfterWait = NoHook>
 __device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool lo_ok, bool hi_ok,
                                               const T* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
-                                              int lane_k, int warp, Acc (&acc)[MT][4], Mma mma) {
+                                              int lane_k, int warp, Acc (&acc)[MT][4], Mma mma,
+                                              AfterWait after_wait = {}) {
     const int tiles = (K + TILE_K - 1) / TILE_K;
     uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
     auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
@@ -274,6 +280,7 @@ __device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool
     load_w(warp * UNROLL, wl, wh);
     pdl_wait();
     pdl_gemv_started();
+    after_wait();
     load_x(warp * UNROLL, xv);
     for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
         uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];

@@ -16,7 +16,7 @@ if not GPU_STACK:
 
 from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
 from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
-from kernels_cu.awq_gemv import (GEMV_MAX_M, THREADS, awq_gemv, awq_linear, awq_linear_ref,  # noqa: E402
+from kernels_cu.awq_gemv import (GEMV_MAX_M, SIGNATURE, THREADS, awq_gemv, awq_linear, awq_linear_ref,  # noqa: E402
                                  awq_packed_dequantize, pack_for_gemv)
 from kernels_cu import build  # noqa: E402
 from kernels_cu.gemm_shapes import cdiv  # noqa: E402
@@ -121,7 +121,7 @@ def test_graph_replay_and_determinism():
 def test_gemv_resources(mt, gpt, epi):
     """No variant spills, and the 8-token, groups-of-128 kernel keeps four blocks resident per SM (the
     register budget its U = 2 was chosen for: docs/gpu.md, AWQ GEMV step 5)."""
-    fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{gpt}_{epi}", "PPPPPiiii")
+    fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{gpt}_{epi}", SIGNATURE)
     res = fn.resources()
     assert res["local_bytes"] == 0, res
     blocks = 4 if (mt, gpt) == (1, 1) else 3

@@ -1,0 +1,100 @@
+"""The deferred RMSNorm of decode (norm_fold.cuh): no RMSNorm kernel in a one-token step.
+
+A producer -- the GEMV that adds the residual (o_proj, down_proj: fp16_gemv.cu, awq_gemv.cu) or the embedding
+lookup -- writes, besides the residual stream h [M, H]:
+
+    xg   fp16 [M, H]       = fp16(h * w)                  w: the next RMSNorm's weight [H]
+    part fp32 [M, H / 16]  = sum of h^2 over each 16 channels
+
+and the consumer -- the GEMV that reads the norm's output (q|k|v, gate|up, lm_head) -- takes xg as its
+activations and scales each token's fp32 sums by rstd = 1 / sqrt(sum(part) / H + eps) before rounding:
+
+    y = fp16(rstd * (xg @ W^T))     where LlamaRMSNorm has   y = fp16(fp16(w * fp16(h * rstd)) @ W^T)
+
+Same operations, one fp16 rounding fewer (h * w instead of h * rstd, then * w): the outputs differ from the
+unfolded path by rounding only (tests compare both with the float64 reference). xg holds h * w unnormalized:
+fine while |h * w| < 65504 (LLaMA-2's largest residual activations are ~2.6e3 with |w| < 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels_cu.checks import check_tensor
+
+CHANNELS = 16  # channels per partial sum: one GEMV panel
+
+
+@dataclass(frozen=True)
+class FoldIn:
+    """A consumer's deferred norm: its x is the producer's xg; part fp32 [M, K / 16]."""
+
+    part: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class FoldOut:
+    """What a producer writes for the next norm (weight w [H] fp16): xg fp16 [M, H], part fp32 [M, H / 16]."""
+
+    w: torch.Tensor
+    xg: torch.Tensor
+    part: torch.Tensor
+
+    @staticmethod
+    def new(w: torch.Tensor, m: int) -> "FoldOut":
+        H = w.shape[0]
+        xg = torch.empty((m, H), dtype=torch.float16, device=w.device)  # [M, H]
+        part = torch.empty((m, H // CHANNELS), dtype=torch.float32, device=w.device)  # [M, H / 16]
+        return FoldOut(w, xg, part)
+
+    def consumer(self, eps: float) -> FoldIn:
+        return FoldIn(self.part, eps)
+
+
+def takes(hidden: int) -> bool:
+    """Partial sums per 16-channel GEMV panel: H % 16 == 0 (and 64, as the engine's GEMVs' other layouts want)."""
+    return hidden % (4 * CHANNELS) == 0
+
+
+def out_args(fold: FoldOut | None) -> tuple:
+    """The producer's kernel arguments (fold_w, fold_xg, fold_part)."""
+    return (None, None, None) if fold is None else (fold.w, fold.xg, fold.part)
+
+
+def in_args(fold: FoldIn | None) -> tuple:
+    """The consumer's kernel arguments (fold_in, eps)."""
+    return (None, 0.0) if fold is None else (fold.part, float(fold.eps))
+
+
+def check_out(fold: FoldOut | None, m: int, n: int) -> None:
+    if fold is None:
+        return
+    if not takes(n):
+        raise ValueError(f"a deferred norm needs H % 64 == 0, got {n}")
+    check_tensor(fold.w, "fold.w", torch.float16, (n,), align=2)
+    check_tensor(fold.xg, "fold.xg", torch.float16, (m, n), align=2)
+    check_tensor(fold.part, "fold.part", torch.float32, (m, n // CHANNELS), align=4)
+
+
+def check_in(fold: FoldIn | None, m: int, k: int) -> None:
+    if fold is None:
+        return
+    if not takes(k):
+        raise ValueError(f"a deferred norm needs K % 64 == 0, got {k}")
+    check_tensor(fold.part, "fold.part", torch.float32, (m, k // CHANNELS), align=4)
+
+
+def fold_out_ref(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xg, part) of h fp16 [M, H]: fp16 h * w, and float64 sums of h^2 per 16 channels."""
+    M, H = h.shape
+    part = h.double().pow(2).reshape(M, H // CHANNELS, CHANNELS).sum(-1)  # [M, H / 16]
+    return h * w, part
+
+
+def rstd_ref(part: torch.Tensor, eps: float) -> torch.Tensor:
+    """float64 [M]: 1 / sqrt(mean(h^2) + eps) from the partial sums."""
+    H = part.shape[1] * CHANNELS
+    return torch.rsqrt(part.double().sum(-1) / H + eps)
