@@ -43,6 +43,8 @@ def bench_cmd(
     group_size: Annotated[int, typer.Option("--group-size", help="AWQ group size for random weights.")] = 128,
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown to this file.")] = None,
     pdl: Annotated[Optional[bool], typer.Option("--pdl/--no-pdl", help="Programmatic dependent launch on Hopper (each kernel starts while the previous one finishes; on unless FLLAMA_PDL=0); --no-pdl to compare.")] = None,
+    fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Decode of up to 16 rows (fp16, awq): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
+    fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     json_out: JsonOpt = False,
@@ -89,7 +91,8 @@ def bench_cmd(
             if s != weights.meta.get("scheme", "fp16"):
                 raise ConfigError(f"{loaded.source} is a {weights.meta.get('scheme')} checkpoint; give --scheme "
                                   f"{weights.meta.get('scheme')} or use --random for other schemes")
-        engine = Engine(weights, EngineConfig(max_len=prompt_len + gen_len + 1))
+        engine = Engine(weights, EngineConfig(max_len=prompt_len + gen_len + 1, fold_norms=fold_norms,
+                                                 fuse_rope=fuse_rope))
         for b in cfg.batches:
             err.print(f"[dim]engine {s} batch {b} ...[/]")
             rows.append({"scheme": s, **bench_engine(engine, b, cfg, bw)})
@@ -113,7 +116,8 @@ def bench_cmd(
     meta = {"gpu": info["name"], "driver": info.get("driver_version"), "date": datetime.date.today().isoformat(),
             "model": source or "llama2-7b", "random": random, "copy_bandwidth_tb_s": bw / 1e12,
             "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows,
-            "programmatic_launch": pdl_supported()}
+            "programmatic_launch": pdl_supported(), "fold_norms": fold_norms,
+            "fuse_rope": fuse_rope}
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:

@@ -20,13 +20,17 @@ from typing import Any, Callable
 import torch
 
 from kernels_cu import build
-from kernels_cu.attention_decode import attention_decode, attention_decode_quant
+from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_rope,
+                                         attention_decode_rope_quant)
 from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
+from kernels_cu import norm_fold
 from kernels_cu.awq_gemv import GEMV_MAX_M as AWQ_GEMV_MAX_M, awq_linear, gemv_takes, pack_for_gemv
-from kernels_cu.embedding import embedding
+from kernels_cu.awq_gemv import folds as awq_folds
+from kernels_cu.embedding import embedding, embedding_fold
 from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.quantize import quantize
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
 from kernels_cu.rope_kv import rope_kv, rope_table
@@ -41,6 +45,10 @@ from model_zoo.sampling import SamplingConfig, fresh_seed
 from model_zoo.weights import ModelWeights
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
+# Decode buckets whose RMSNorms are deferred into the GEMVs (norm_fold.py), where that measured faster (H100,
+# one engine A/B: fp16 +2.1 / +1.6 / +1.1 / -0.3% at 1 / 4 / 8 / 16 rows, awq +2.7 / +2.4 / -0.3 / -3.0%;
+# each consumer GEMV's blocks pay for the reduction in their tail, which grows with the rows)
+FOLD_MAX_ROWS = {"fp16": 8, "awq": 4}
 
 
 @contextmanager
@@ -76,7 +84,8 @@ def _api(fn: Callable) -> Callable:
 # ---------------------------------------------------------------------------------------------- linears
 class Fp16Op:
     """y = x @ W^T (+ residual): GEMV kernel up to 16 rows, cuBLAS above. With `swiglu` W is a gate|up
-    weight interleaved by 8 and the op returns silu(gate) * up [M, F] (the GEMV's epilogue does it)."""
+    weight interleaved by 8 and the op returns silu(gate) * up [M, F] (the GEMV's epilogue does it).
+    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), where `folds`."""
 
     int8 = False
 
@@ -84,13 +93,17 @@ class Fp16Op:
         self.swiglu = swiglu and weight.shape[0] % 16 == 0
         self.weight = interleave_gate_up(weight) if self.swiglu else weight  # [N, K] fp16
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+                 fold_out: FoldOut | None = None) -> torch.Tensor:
         if self.swiglu:
-            return fp16_swiglu(x, self.weight)
+            return fp16_swiglu(x, self.weight, fold_in=fold_in)
         # Beyond the GEMV's rows cuBLAS adds the residual in its epilogue only when writing over it (torch
         # copies it to a separate output first): the layer's residual stream is dead after this op.
         out = residual if residual is not None and x.shape[0] > DECODE_MAX_M else None
-        return fp16_linear(x, self.weight, residual, out)
+        return fp16_linear(x, self.weight, residual, out, fold_in, fold_out)
+
+    def folds(self, m: int) -> bool:
+        return m <= DECODE_MAX_M
 
     def nbytes(self) -> int:
         return self.weight.numel() * 2
@@ -109,13 +122,19 @@ class AwqOp:
         self.swiglu = swiglu and self.packed is not None
         self.awq = None if self.packed is not None else (qweight, qzeros, scales)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+                 fold_out: FoldOut | None = None) -> torch.Tensor:
         if self.packed is not None:
             # Beyond the GEMV's rows the product goes through cuBLAS, which adds the residual in place as for
             # Fp16Op: the layer's residual stream is dead after this op.
             out = residual if residual is not None and x.shape[0] > AWQ_GEMV_MAX_M else None
-            return awq_linear(x, self.packed, residual, out)
+            return awq_linear(x, self.packed, residual, out, fold_in, fold_out)
+        if fold_in is not None or fold_out is not None:
+            raise DeviceError("the deferred RMSNorm needs the AWQ GEMV layout")
         return awq_gemm(x, *self.awq, residual)
+
+    def folds(self, m: int) -> bool:
+        return self.packed is not None and awq_folds(self.packed, m)
 
     def nbytes(self) -> int:
         if self.packed is not None:
@@ -133,8 +152,14 @@ class Int8Op:
         self.qweight, self.w_scale = qweight, w_scale  # [N, K] int8, [N] fp32
         self.amax = amax  # [1] fp32 for static activations, None for per-token dynamic
 
-    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor | None = None,
+                 fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
+        if fold_in is not None or fold_out is not None:
+            raise DeviceError("int8 linears take their input quantized: no deferred RMSNorm")
         return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual)
+
+    def folds(self, m: int) -> bool:
+        return False
 
     def nbytes(self) -> int:
         return self.qweight.numel() + self.w_scale.numel() * 4
@@ -206,6 +231,8 @@ class EngineConfig:
     max_len: int = 4096  # KV positions per row, capped at the model's context
     use_graphs: bool = True
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
+    fold_norms: bool = True  # small-batch decode (fp16, AWQ: FOLD_MAX_ROWS): RMSNorms deferred into the GEMVs
+    fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
 
 
 class Engine:
@@ -321,27 +348,57 @@ class Engine:
         eps = self.config.norm_eps
         return rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)
 
-    def _layer(self, i: int, h: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, cache: GpuCache,
-               attend) -> torch.Tensor:
-        """h [T, H] fp16 -> [T, H]; attend(i, q [T, nh, d]) -> [T, nh * d]."""
+    def _folds(self, m: int) -> bool:
+        """Whether a decode step of m rows defers its RMSNorms into the kernels around them (norm_fold.py):
+        up to the scheme's FOLD_MAX_ROWS, every linear on a GEMV that takes the fold, the lm_head on fp16_gemv."""
+        if not self.cfg.fold_norms or not norm_fold.takes(self.config.hidden_size):
+            return False
+        if m > min(FOLD_MAX_ROWS.get(self.scheme, 0), DECODE_MAX_M):
+            return False
+        return all(op.folds(m) for l in self.layers for op in (l.qkv, l.o, l.gate_up, l.down))
+
+    def _layer(self, i: int, h: torch.Tensor, cache: GpuCache, attend,
+               fold: FoldOut | None = None) -> tuple[torch.Tensor, FoldOut | None]:
+        """h [T, H] fp16 -> (h [T, H], fold); attend(i, qkv [T, (nh + 2 nkv) d]) -> [T, nh * d] (RoPE, the
+        K/V cache write and attention: one kernel in decode, rope_kv + SDPA in prefill).
+
+        fold: h's deferred attn_norm (a folded decode step, norm_fold.py). The layer then defers its ffn_norm
+        too and returns the norm deferred after it (the next layer's attn_norm, or the final norm)."""
         c, L = self.config, self.layers[i]
-        qkv = L.qkv(self._norm_in(h, L.attn_norm, L.qkv))  # [T, (nh + 2 nkv) d]
-        ks, vs = cache.scales(i)
-        q = rope_kv(qkv, self.cos_sin, pos, row, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads,
-                    k_scale=ks, v_scale=vs)  # [T, nh, d]
-        o = attend(i, q)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
+        T, eps = h.shape[0], c.norm_eps
+        if fold is not None:
+            qkv = L.qkv(fold.xg, fold_in=fold.consumer(eps))  # [T, (nh + 2 nkv) d]
+        else:
+            qkv = L.qkv(self._norm_in(h, L.attn_norm, L.qkv))
+        o = attend(i, qkv)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
         if L.o.int8 and not isinstance(o, tuple):
             o = quantize(o, L.o.amax)
-        h = L.o(o, residual=h)  # [T, H]
-        xn = self._norm_in(h, L.ffn_norm, L.gate_up)
-        if L.gate_up.swiglu:
-            a = L.gate_up(xn)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
+        ffn = FoldOut.new(L.ffn_norm, T) if fold is not None else None
+        h = L.o(o, residual=h, fold_out=ffn)  # [T, H]
+        if ffn is not None:
+            xn, ffn_in = ffn.xg, ffn.consumer(eps)
         else:
-            gu = L.gate_up(xn)  # [T, 2F]
+            xn, ffn_in = self._norm_in(h, L.ffn_norm, L.gate_up), None
+        if L.gate_up.swiglu:
+            a = L.gate_up(xn, fold_in=ffn_in)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
+        else:
+            gu = L.gate_up(xn, fold_in=ffn_in)  # [T, 2F]
             a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
-        return L.down(a, residual=h)  # [T, H]
+        nxt = None
+        if fold is not None:
+            nxt = FoldOut.new(self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm, T)
+        return L.down(a, residual=h, fold_out=nxt), nxt  # [T, H]
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _rope(self, i: int, qkv: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, cache: GpuCache) -> torch.Tensor:
+        """RoPE on q and k of qkv, k and v written to layer i's cache at (row, pos): the rotated q [T, nh, d]."""
+        c = self.config
+        ks, vs = cache.scales(i)
+        return rope_kv(qkv, self.cos_sin, pos, row, cache.k[i], cache.v[i], c.n_heads, c.n_kv_heads, k_scale=ks,
+                       v_scale=vs)
+
+    def _logits(self, h: torch.Tensor, fold: FoldOut | None = None) -> torch.Tensor:
+        if fold is not None:  # the final norm deferred into the lm_head GEMV
+            return fp16_linear(fold.xg, self.lm_head, fold_in=fold.consumer(self.config.norm_eps))  # [T, V]
         x = rmsnorm(h, self.norm, self.config.norm_eps)  # [T, H]
         return fp16_linear(x, self.lm_head)  # [T, V] fp16
 
@@ -371,13 +428,14 @@ class Engine:
             h = embedding(self.embed, ids)  # [T, H]
             c = self.config
 
-            def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # q [T, nh, d]
+            def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [T, (nh + 2 nkv) d]
+                q = self._rope(i, qkv, pos, row, cache)  # [T, nh, d]
                 outs = [attention_prefill(q[b * S:(b + 1) * S], cache.k[i], cache.v[i], r, starts[b], *cache.scales(i))
                         for b, r in enumerate(rows)]  # each [S, nh, d]
                 return (outs[0] if B == 1 else torch.cat(outs)).reshape(B * S, c.q_size)  # no copy for one row
 
             for i in range(c.n_layers):
-                h = self._layer(i, h, pos, row, cache, attend)
+                h, _ = self._layer(i, h, cache, attend)
             logits = self._logits(h).float().reshape(B, S, -1)  # [B, S, V]
             idx = torch.tensor(rows, device=dev)
             cache.lengths[idx] += S
@@ -432,18 +490,28 @@ class Engine:
         st = cache.static
         pos = cache.lengths  # the new token's position, per row
         lens = cache.lengths + 1  # [Bb] attention covers the new token
-        h = embedding(self.embed, st["tokens"])  # [Bb, H]
         c = self.config
+        fold = None
+        if self._folds(cache.bucket):  # RMSNorms deferred into the GEMVs (norm_fold.py)
+            h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm)  # [Bb, H]
+        else:
+            h = embedding(self.embed, st["tokens"])  # [Bb, H]
 
-        def attend(i: int, q: torch.Tensor):
+        def attend(i: int, qkv: torch.Tensor):
             o_op = self.layers[i].o
-            if o_op.int8:  # one kernel: attention, combine and the o_proj input's int8 quantization
-                return attention_decode_quant(q, cache.k[i], cache.v[i], lens, o_op.amax, *cache.scales(i))
-            return attention_decode(q, cache.k[i], cache.v[i], lens, *cache.scales(i)).reshape(-1, c.q_size)
+            k, v, (ks, vs) = cache.k[i], cache.v[i], cache.scales(i)
+            if self.cfg.fuse_rope:  # row b is cache row b (st["row"] is the identity) at position lens - 1 = pos
+                if o_op.int8:  # one kernel: RoPE, the K/V write, attention and the o_proj input's quantization
+                    return attention_decode_rope_quant(qkv, self.cos_sin, k, v, lens, c.n_heads, o_op.amax, ks, vs)
+                return attention_decode_rope(qkv, self.cos_sin, k, v, lens, c.n_heads, ks, vs).reshape(-1, c.q_size)
+            q = self._rope(i, qkv, pos, st["row"], cache)  # [Bb, nh, d]
+            if o_op.int8:
+                return attention_decode_quant(q, k, v, lens, o_op.amax, ks, vs)
+            return attention_decode(q, k, v, lens, ks, vs).reshape(-1, c.q_size)
 
         for i in range(c.n_layers):
-            h = self._layer(i, h, pos, st["row"], cache, attend)
-        logits = self._logits(h)  # [Bb, V] fp16
+            h, fold = self._layer(i, h, cache, attend, fold)
+        logits = self._logits(h, fold)  # [Bb, V] fp16
         cache.lengths.add_(st["active"])  # only rows that decoded this step advance
         return logits
 

@@ -20,9 +20,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="prefill length (batch 1)")
     ap.add_argument("--batch", type=int, default=1, help="decode batch")
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode RMSNorms deferred into the GEMVs (EngineConfig.fold_norms)")
+    ap.add_argument("--skip-prefill", action="store_true", help="profile the decode steps only")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    engine = Engine(random_weights(LlamaConfig.from_name(args.model), args.scheme, dev), EngineConfig(max_len=args.tokens + 64))
+    engine = Engine(random_weights(LlamaConfig.from_name(args.model), args.scheme, dev),
+                    EngineConfig(max_len=args.tokens + 64, fold_norms=args.fold_norms))
     prompt = torch.randint(0, engine.config.vocab_size, (1, args.tokens))
     engine.forward(prompt, engine.new_cache(1, args.tokens + 8))  # warm-up
     sampler = engine.make_sampler(SamplingConfig(temperature=0), args.batch)
@@ -32,8 +36,9 @@ def main() -> None:
     engine.decode_sampled(torch.zeros(args.batch, dtype=torch.long), cache, rows, sampler)
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    for what, fn in (("prefill", lambda: engine.forward(prompt, engine.new_cache(1, args.tokens + 8))),
-                     ("decode x20", lambda: engine.replay_steps(cache, 20))):
+    runs = [("prefill", lambda: engine.forward(prompt, engine.new_cache(1, args.tokens + 8))),
+            ("decode x20", lambda: engine.replay_steps(cache, 20))]
+    for what, fn in runs[args.skip_prefill:]:
         with torch.profiler.profile(activities=acts) as prof:
             fn()
             torch.cuda.synchronize()

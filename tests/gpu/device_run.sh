@@ -37,6 +37,11 @@ for step in "$@"; do
     micro) timeout 200 python -m kernels_cu.microbench --json "$out/micro.json" 2>&1 | tail -n 45 ;;
     microq) timeout 150 python -m kernels_cu.microbench --only awq,int8 --ms 1,8,16 2>&1 | tail -n 30 ;;
     attnbench) timeout 120 python -m kernels_cu.attention_bench --batch 1,8,32 --ctx 576,2048 2>&1 | tail -n 20 ;;
+    foldtests) timeout 400 python -m pytest -m gpu tests/gpu/test_norm_fold.py tests/gpu/test_fp16_gemv.py tests/gpu/test_awq_gemv.py \
+        tests/gpu/test_embedding.py tests/gpu/test_engine.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
+    ab)  # one engine per scheme, an EngineConfig switch on / off alternated (kernels_cu/engine_ab.py)
+      timeout 500 python -m kernels_cu.engine_ab --switch ${AB_SWITCH:-fold_norms} --scheme ${AB_SCHEMES:-awq,fp16} \
+        --batch ${AB_BATCH:-1,8} --rounds ${AB_ROUNDS:-2} 2>&1 | tail -n 12 ;;
     engine) timeout 300 python -m pytest -m gpu tests/gpu/test_engine.py -q -p no:cacheprovider -rf 2>&1 | tail -n 40 ;;
     e2e)  # real SmolLM2 layers (a slice, see smollm2_slice.py): quantize on the CPU, run on the GPU
       src=.gpu-data/smollm2-8l.gguf

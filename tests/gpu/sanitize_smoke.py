@@ -9,11 +9,13 @@ from kernels_cu import build
 
 
 def main() -> None:
-    from kernels_cu.attention_decode import attention_decode, attention_decode_quant
+    from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_rope,
+                                             attention_decode_rope_quant)
     from kernels_cu.attention_prefill import attention_prefill
     from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
     from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_packed_dequantize, pack_for_gemv
-    from kernels_cu.embedding import embedding
+    from kernels_cu.embedding import embedding, embedding_fold
+    from kernels_cu.norm_fold import FoldOut
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
     from kernels_cu import awq_wgmma, int8_wgmma
     from kernels_cu.int8_gemm import int8_gemm
@@ -57,6 +59,16 @@ def main() -> None:
                 awq_linear(xm, ap, residual=r(M, F))
                 awq_linear(xm, pack_for_gemv(aq, az, asc, swiglu=True))
                 awq_batch_gemm(xm, ap, residual=r(M, F), splits=3)  # K split: partials, counters, last block
+                if M <= 8:  # the deferred RMSNorm: producers (residual GEMVs, embedding), then consumers
+                    _, fe = embedding_fold(r(V, H), torch.randint(0, V, (M,), device=dev), r(H))
+                    fp16_linear(fe.xg, wd, fold_in=fe.consumer(1e-5))
+                    fp16_swiglu(fe.xg, r(2 * F, H), fold_in=fe.consumer(1e-5))
+                    awq_linear(fe.xg, ap, fold_in=fe.consumer(1e-5))
+                    awq_linear(fe.xg, pack_for_gemv(aq, az, asc, swiglu=True), fold_in=fe.consumer(1e-5))
+                    wo = r(H, F)
+                    fp16_linear(r(M, F), wo, residual=r(M, H), fold_out=FoldOut.new(r(H), M))
+                    awq_linear(r(M, F), pack_for_gemv(*quantize_awq(wo.float(), 64)), residual=r(M, H),
+                               fold_out=FoldOut.new(r(H), M))
             awq_dequantize(aq, az, asc)
             awq_packed_dequantize(ap)
         if build.has_wgmma(torch.cuda.current_device()):  # the Hopper prefill GEMMs, ragged tiles and tails
@@ -83,6 +95,9 @@ def main() -> None:
             attention_decode(qd, kc, vc, lengths, ks, vs)
             attention_decode(qd, kc, vc, lengths, ks, vs, fused=False)
             attention_decode_quant(qd, kc, vc, lengths, None, ks, vs)
+            qkv_new = r(B, (nh + 2 * nkv) * d)  # RoPE mode: position lengths - 1 written, then attended
+            attention_decode_rope(qkv_new, cs, kc, vc, lengths, nh, ks, vs)
+            attention_decode_rope_quant(qkv_new, cs, kc, vc, lengths, nh, None, ks, vs)
             if not kv8:
                 attention_prefill(q.view(B, T, nh, d)[0], kc, vc, 0, 0)
         sampler = GpuSampler(4, V, eos_ids=[2], device=dev)

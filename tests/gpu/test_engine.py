@@ -177,3 +177,57 @@ def test_callers_on_the_default_stream_see_finished_results():
         got = [r.tokens for r in generate(eng, tok, prompts, cfg)[0]]
     want = [r.tokens for r in generate(ref, tok, prompts, cfg)[0]]
     assert got == want
+
+
+@pytest.mark.parametrize("scheme", ("fp16", "awq"))
+def test_folded_norms_match_the_rmsnorm_kernels(scheme):
+    """Decode with the RMSNorms deferred into the GEMVs (the default for small batches) against the same engine
+    with rmsnorm.cu kernels: the same logits up to rounding, in eager steps and graph replays."""
+    from kernels_cu.engine import FOLD_MAX_ROWS, Engine, EngineConfig
+
+    config = CONFIGS["smol-like"]
+    w = checkpoint(config, scheme)
+    folded, plain = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, fold_norms=False))
+    most = FOLD_MAX_ROWS[scheme]
+    assert folded._folds(1) and folded._folds(most) and not folded._folds(most + 1) and not plain._folds(1)
+    tokens = torch.randint(0, config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for eng in (folded, plain):
+        cache = eng.new_cache(3, 64)
+        eng.forward(tokens[:, :8], cache)
+        outs.append(torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(8, 14)]))
+    assert torch.isfinite(outs[0]).all()
+    assert rel(outs[0], outs[1]) < 3e-3
+    eager = Engine(w, EngineConfig(max_len=128, use_graphs=False))
+    cache = eager.new_cache(3, 64)
+    eager.forward(tokens[:, :8], cache)
+    steps = torch.stack([eager.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(8, 14)])
+    assert rel(steps, outs[0]) < 1e-5  # the same kernels, with or without the graph
+
+
+def test_int8_never_folds():
+    from kernels_cu.engine import Engine, EngineConfig
+
+    eng = Engine(checkpoint(CONFIGS["gqa4-d64"], "int8-dynamic"), EngineConfig(max_len=64))
+    assert not eng._folds(1)
+
+
+@pytest.mark.parametrize("scheme,kv_int8", [("fp16", False), ("int8-dynamic", False), ("awq", True)])
+def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
+    """Decode with RoPE and the K/V write inside the attention kernel (the default) gives the same bits as
+    rope_kv followed by attention: logits and the whole KV cache."""
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS["gqa4-d64"]
+    w = checkpoint(config, scheme)
+    tokens = torch.randint(0, config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
+    logits, caches = [], []
+    for fuse in (True, False):
+        eng = Engine(w, EngineConfig(max_len=64, kv_int8=kv_int8, fuse_rope=fuse))
+        cache = eng.new_cache(3, 32)
+        eng.forward(tokens[:, :7], cache)
+        logits.append(torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(7, 12)]))
+        caches.append([t.clone() for t in cache.k + cache.v + cache.k_scale + cache.v_scale])
+    assert torch.equal(logits[0], logits[1])
+    for a, b in zip(*caches):
+        assert torch.equal(a, b)
