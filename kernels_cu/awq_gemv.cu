@@ -59,8 +59,8 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     const int panel = blockIdx.x;
     const int m0 = blockIdx.y * 8 * MT;
     const int rows = min(M - m0, 8 * MT);
-    // the deferred norm is compiled where the registers allow it: MT * GPT <= 4 (up to 8 tokens any group size, 16
-    // with groups of 64 or 128 k); the others are at their budget without it (norm_fold.py: awq_gemv.folds)
+    // the deferred norm is compiled where the registers allow it, MT * GPT <= 4 (8 tokens and any group size, 16
+    // with groups of 64 or 128 k, 32 with 128); the others are at their budget without it (awq_gemv.py: folds)
     constexpr bool FOLD = MT * GPT <= 4;
     if (!FOLD) fold_w = nullptr, fold_in = nullptr;
 

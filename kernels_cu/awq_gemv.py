@@ -151,7 +151,8 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
     M = _check(x, p, residual)
     if fold_in is not None or fold_out is not None:
         if not folds(p, M):
-            raise ValueError(f"the deferred RMSNorm runs on the AWQ GEMV only (M < {BATCH_MIN_M}), got M = {M}")
+            raise ValueError(f"the deferred RMSNorm runs on the AWQ GEMV only (M < {BATCH_MIN_M}; with groups of "
+                             f"32 k, M <= 8), got M = {M}, groups of {p.gs}")
         return _gemv(x, p, residual, out, fold_in, fold_out)
     if BATCH_MIN_M <= M <= GEMV_MAX_M and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)

@@ -19,12 +19,11 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_cu import build
+from kernels_cu import build, norm_fold
 from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_rope,
                                          attention_decode_rope_quant)
 from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
-from kernels_cu import norm_fold
 from kernels_cu.awq_gemv import GEMV_MAX_M as AWQ_GEMV_MAX_M, awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.awq_gemv import folds as awq_folds
 from kernels_cu.embedding import embedding, embedding_fold
@@ -45,9 +44,9 @@ from model_zoo.sampling import SamplingConfig, fresh_seed
 from model_zoo.weights import ModelWeights
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
-# Decode buckets whose RMSNorms are deferred into the GEMVs (norm_fold.py), where that measured faster (H100,
-# one engine A/B: fp16 +2.1 / +1.6 / +1.1 / -0.3% at 1 / 4 / 8 / 16 rows, awq +2.7 / +2.4 / -0.3 / -3.0%;
-# each consumer GEMV's blocks pay for the reduction in their tail, which grows with the rows)
+# Decode buckets whose RMSNorms are deferred into the GEMVs (norm_fold.py), where that measured faster (engine
+# A/B, H200: fp16 +1.7 / +1.4 / +0.5% at 1 / 4 / 8 rows, awq +2.6 / +3.1% at 1 / 4; H100: awq -0.3 / -3.0% at
+# 8 / 16 rows, fp16 -0.3% at 16: each consumer GEMV's blocks pay for the reduction, more of it with more rows)
 FOLD_MAX_ROWS = {"fp16": 8, "awq": 4}
 
 

@@ -1,4 +1,4 @@
-"""The deferred RMSNorm of decode (norm_fold.cuh): no RMSNorm kernel in a one-token step.
+"""The deferred RMSNorm of decode (norm_fold.cuh): no RMSNorm kernel in a small-batch decode step.
 
 A producer -- the GEMV that adds the residual (o_proj, down_proj: fp16_gemv.cu, awq_gemv.cu) or the embedding
 lookup -- writes, besides the residual stream h [M, H]:
@@ -12,8 +12,9 @@ activations and scales each token's fp32 sums by rstd = 1 / sqrt(sum(part) / H +
     y = fp16(rstd * (xg @ W^T))     where LlamaRMSNorm has   y = fp16(fp16(w * fp16(h * rstd)) @ W^T)
 
 Same operations, one fp16 rounding fewer (h * w instead of h * rstd, then * w): the outputs differ from the
-unfolded path by rounding only (tests compare both with the float64 reference). xg holds h * w unnormalized:
-fine while |h * w| < 65504 (LLaMA-2's largest residual activations are ~2.6e3 with |w| < 1).
+unfolded path by rounding only (tests compare both with the float64 reference). xg holds h * w unnormalized,
+so it needs |h * w| < 65504 where LlamaRMSNorm's operands stay below sqrt(H) * |w|: LLaMA-2-7B's largest residual
+activations are ~2.6e3 (nothing checks it; EngineConfig(fold_norms=False) is the way back).
 """
 
 from __future__ import annotations

@@ -32,6 +32,15 @@ def check_fold(fold: FoldOut, h: torch.Tensor, what: str) -> None:
     compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what=f"{what}: part")
 
 
+def check_consumer(run, ref: torch.Tensor, what: str) -> None:
+    """A consumer GEMV run(out) into a poisoned output, against its float64 reference; the same bits again."""
+    y = torch.empty_like(ref)
+    poison(y)
+    run(y)
+    check_gemm(y, ref, what)
+    assert_equal(run(None), y, f"{what}: run to run")
+
+
 def folded(M: int, K: int, seed: int) -> tuple[torch.Tensor, FoldOut, torch.Tensor]:
     """A residual stream h [M, K] (rows of very different scales) through embedding_fold with a norm weight:
     (h, its FoldOut, the float64 normalized rows xg * rstd that a folded consumer multiplies by W)."""
@@ -75,11 +84,8 @@ def test_awq_producer(M, K, N, G):
 def test_fp16_consumer(M, K, N):
     _, fold, x64 = folded(M, K, seed=M + K)
     W = randn(N, K, scale=0.05, seed=K + N)
-    y = torch.empty(M, N, dtype=torch.float16, device="cuda")
-    poison(y)
-    fp16_linear(fold.xg, W, out=y, fold_in=fold.consumer(EPS))
-    check_gemm(y, fp16_linear_ref(x64, W), f"M={M} K={K} N={N}")
-    assert_equal(fp16_linear(fold.xg, W, fold_in=fold.consumer(EPS)), y, "run to run")
+    check_consumer(lambda out: fp16_linear(fold.xg, W, out=out, fold_in=fold.consumer(EPS)),
+                   fp16_linear_ref(x64, W), f"M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("M", ROWS)
@@ -100,11 +106,8 @@ def test_awq_consumer(M, K, N, G):
     assert folds(p, M) == (M <= 8 or G >= 64)
     if not folds(p, M):
         return  # refused as in test_awq_producer
-    y = torch.empty(M, N, dtype=torch.float16, device="cuda")
-    poison(y)
-    awq_linear(fold.xg, p, out=y, fold_in=fold.consumer(EPS))
-    check_gemm(y, awq_linear_ref(x64, p), f"M={M} K={K} N={N} G={G}")
-    assert_equal(awq_linear(fold.xg, p, fold_in=fold.consumer(EPS)), y, "run to run")
+    check_consumer(lambda out: awq_linear(fold.xg, p, out=out, fold_in=fold.consumer(EPS)),
+                   awq_linear_ref(x64, p), f"M={M} K={K} N={N} G={G}")
 
 
 @pytest.mark.parametrize("M", ROWS)
