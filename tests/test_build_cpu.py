@@ -232,3 +232,19 @@ def test_sampling_params_and_reference_distribution():
     assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
     e = torch.tensor([3.0, 2.0]).double().softmax(0)
     assert torch.allclose(probs[1], torch.tensor([0.0, e[0], e[1], 0.0], dtype=torch.float64))
+
+
+def test_engine_ab_switches_one_option_and_drops_the_graphs():
+    """kernels_cu.engine_ab (GPU A/B of an EngineConfig switch): the switch and the graph reset need no GPU."""
+    from types import SimpleNamespace
+
+    from kernels_cu.engine import EngineConfig
+    from kernels_cu.engine_ab import set_option
+
+    cache = SimpleNamespace(graphs={"sampled": object()})
+    engine = SimpleNamespace(cfg=EngineConfig(), _caches={(1, False): cache})
+    set_option(engine, "fold_norms", False)
+    assert engine.cfg == EngineConfig(fold_norms=False) and cache.graphs == {}
+    proc = subprocess.run([sys.executable, "-m", "kernels_cu.engine_ab", "--switch", "no_such_field"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "unknown EngineConfig field 'no_such_field'" in proc.stderr
