@@ -1,5 +1,5 @@
 // The deferred RMSNorm of decode (norm_fold.py): the norm's reduction rides on the kernels on either side of
-// it, so the one-token step has no RMSNorm kernel (two kernel boundaries less per layer).
+// it, so a small-batch decode step has no RMSNorm kernel (two kernel boundaries less per layer).
 //
 //   producer (the GEMV that adds the residual, or the embedding lookup), besides h [M, H]:
 //     xg   fp16 [M, H]      = fp16(h * w)                  w: the next RMSNorm's weight [H]

@@ -56,7 +56,7 @@ class FoldOut:
 
 
 def takes(hidden: int) -> bool:
-    """Partial sums per 16-channel GEMV panel: H % 16 == 0 (and 64, as the engine's GEMVs' other layouts want)."""
+    """Partial sums per 16-channel GEMV panel, read by the consumers 4 (16 bytes) at a time: H % 64 == 0."""
     return hidden % (4 * CHANNELS) == 0
 
 
@@ -85,7 +85,7 @@ def check_in(fold: FoldIn | None, m: int, k: int) -> None:
         return
     if not takes(k):
         raise ValueError(f"a deferred norm needs K % 64 == 0, got {k}")
-    check_tensor(fold.part, "fold.part", torch.float32, (m, k // CHANNELS), align=4)
+    check_tensor(fold.part, "fold.part", torch.float32, (m, k // CHANNELS))  # fold_rstd's float4 loads
 
 
 def fold_out_ref(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

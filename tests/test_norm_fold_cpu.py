@@ -23,3 +23,17 @@ def test_rstd_from_partial_sums_is_rmsnorms():
 
 def test_shapes_the_kernels_take():
     assert takes(576) and takes(4096) and takes(8192) and not takes(600) and not takes(40)
+
+
+def test_consumer_partial_sums_must_be_16_byte_aligned():
+    """fold_rstd reads the partial sums as float4: a view starting 4 bytes into a buffer is refused, before any
+    GPU work (the alignment is checked ahead of the device)."""
+    import pytest
+
+    from kernels_cu.norm_fold import FoldIn, check_in
+
+    buf = torch.zeros(2 * 256 + 4)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        check_in(FoldIn(buf[1:1 + 2 * 256].view(2, 256), 1e-5), 2, 4096)
+    with pytest.raises(ValueError, match="K % 64"):
+        check_in(FoldIn(buf[:2 * 36].view(2, 36), 1e-5), 2, 600)
