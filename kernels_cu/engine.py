@@ -343,9 +343,13 @@ class Engine:
         return GpuCache(k=k, v=v, lengths=lengths, max_len=cap, batch=bucket, k_scale=scales[0], v_scale=scales[1])
 
     # -- the layer ---------------------------------------------------------------------------------------
-    def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any):
+    def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any, fold: FoldOut | None) -> tuple[Any, FoldIn | None]:
+        """op's input after the RMSNorm with weight w and how op takes it: the norm kernel's output (+ int8
+        quantization for an int8 op) and None, or, when a producer deferred this norm (fold), its xg and FoldIn."""
         eps = self.config.norm_eps
-        return rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)
+        if fold is not None:
+            return fold.xg, fold.consumer(eps)
+        return (rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)), None
 
     def _folds(self, m: int) -> bool:
         """Whether a decode step of m rows defers its RMSNorms into the kernels around them (norm_fold.py):
@@ -364,24 +368,19 @@ class Engine:
         fold: h's deferred attn_norm (a folded decode step, norm_fold.py). The layer then defers its ffn_norm
         too and returns the norm deferred after it (the next layer's attn_norm, or the final norm)."""
         c, L = self.config, self.layers[i]
-        T, eps = h.shape[0], c.norm_eps
-        if fold is not None:
-            qkv = L.qkv(fold.xg, fold_in=fold.consumer(eps))  # [T, (nh + 2 nkv) d]
-        else:
-            qkv = L.qkv(self._norm_in(h, L.attn_norm, L.qkv))
+        T = h.shape[0]
+        x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
+        qkv = L.qkv(x, fold_in=fold_in)  # [T, (nh + 2 nkv) d]
         o = attend(i, qkv)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
         if L.o.int8 and not isinstance(o, tuple):
             o = quantize(o, L.o.amax)
         ffn = FoldOut.new(L.ffn_norm, T) if fold is not None else None
         h = L.o(o, residual=h, fold_out=ffn)  # [T, H]
-        if ffn is not None:
-            xn, ffn_in = ffn.xg, ffn.consumer(eps)
-        else:
-            xn, ffn_in = self._norm_in(h, L.ffn_norm, L.gate_up), None
+        x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn)
         if L.gate_up.swiglu:
-            a = L.gate_up(xn, fold_in=ffn_in)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
+            a = L.gate_up(x, fold_in=fold_in)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
         else:
-            gu = L.gate_up(xn, fold_in=ffn_in)  # [T, 2F]
+            gu = L.gate_up(x, fold_in=fold_in)  # [T, 2F]
             a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
         nxt = None
         if fold is not None:

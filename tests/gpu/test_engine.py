@@ -60,6 +60,14 @@ def rel(a, b):
     return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
 
 
+def decode_steps(eng, tokens: torch.Tensor, prefix: int, max_len: int = 64):
+    """Prefill tokens[:, :prefix] into a fresh cache, then decode the rest a token per step (the decode graph
+    or its eager kernels): (logits [steps, B, V], the cache)."""
+    cache = eng.new_cache(tokens.shape[0], max_len)
+    eng.forward(tokens[:, :prefix], cache)
+    return torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(prefix, tokens.shape[1])]), cache
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_prefill_and_decode_logits_match_reference(name, scheme):
@@ -72,10 +80,8 @@ def test_prefill_and_decode_logits_match_reference(name, scheme):
     assert torch.isfinite(got).all()
     assert rel(got, want) < 2e-2, f"prefill {name} {scheme}"
     # decode through the graph: prefill 30 then 7 single steps for both rows
-    cache = eng.new_cache(2, 64)
-    eng.forward(tokens[:, :30], cache)
-    steps = torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(30, 37)], 1)
-    assert rel(steps, want[:, 30:]) < 2e-2, f"decode {name} {scheme}"
+    steps, cache = decode_steps(eng, tokens, 30)
+    assert rel(steps.transpose(0, 1), want[:, 30:]) < 2e-2, f"decode {name} {scheme}"
     assert cache.lengths.tolist()[:2] == [37, 37]
 
 
@@ -110,11 +116,7 @@ def test_graph_replay_equals_eager_decode():
     w = checkpoint(config, "int8-dynamic")
     graphed, eager = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, use_graphs=False))
     tokens = torch.randint(0, config.vocab_size, (3, 12))
-    outs = []
-    for eng in (graphed, eager):
-        cache = eng.new_cache(3, 64)
-        eng.forward(tokens[:, :8], cache)
-        outs.append(torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(8, 12)]))
+    outs = [decode_steps(eng, tokens, 8)[0] for eng in (graphed, eager)]
     assert rel(outs[0], outs[1]) < 1e-3
 
 
@@ -191,17 +193,10 @@ def test_folded_norms_match_the_rmsnorm_kernels(scheme):
     most = FOLD_MAX_ROWS[scheme]
     assert folded._folds(1) and folded._folds(most) and not folded._folds(most + 1) and not plain._folds(1)
     tokens = torch.randint(0, config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(2))
-    outs = []
-    for eng in (folded, plain):
-        cache = eng.new_cache(3, 64)
-        eng.forward(tokens[:, :8], cache)
-        outs.append(torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(8, 14)]))
+    outs = [decode_steps(eng, tokens, 8)[0] for eng in (folded, plain)]
     assert torch.isfinite(outs[0]).all()
     assert rel(outs[0], outs[1]) < 3e-3
-    eager = Engine(w, EngineConfig(max_len=128, use_graphs=False))
-    cache = eager.new_cache(3, 64)
-    eager.forward(tokens[:, :8], cache)
-    steps = torch.stack([eager.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(8, 14)])
+    steps, _ = decode_steps(Engine(w, EngineConfig(max_len=128, use_graphs=False)), tokens, 8)
     assert rel(steps, outs[0]) < 1e-5  # the same kernels, with or without the graph
 
 
@@ -223,10 +218,9 @@ def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
     tokens = torch.randint(0, config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
     logits, caches = [], []
     for fuse in (True, False):
-        eng = Engine(w, EngineConfig(max_len=64, kv_int8=kv_int8, fuse_rope=fuse))
-        cache = eng.new_cache(3, 32)
-        eng.forward(tokens[:, :7], cache)
-        logits.append(torch.stack([eng.forward(tokens[:, i:i + 1], cache)[:, 0] for i in range(7, 12)]))
+        steps, cache = decode_steps(Engine(w, EngineConfig(max_len=64, kv_int8=kv_int8, fuse_rope=fuse)), tokens, 7,
+                                    max_len=32)
+        logits.append(steps)
         caches.append([t.clone() for t in cache.k + cache.v + cache.k_scale + cache.v_scale])
     assert torch.equal(logits[0], logits[1])
     for a, b in zip(*caches):
