@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from kernels_cu import build
+from kernels_cu.attention_decode import attention_decode, attention_decode_rope
 from kernels_cu.awq_gemv import awq_linear, pack_for_gemv
 from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
+from kernels_cu.rope_kv import rope_kv, rope_table
 from kernels_cu.silu_mul import silu_mul_quant
 
 from .conftest import awq_tensors
@@ -93,6 +95,58 @@ def test_chain_graph_replays_bitwise_equal(M):
         static.copy_(x)
         graph.replay()
         assert torch.equal(out, want), f"replay {trial}: max diff {float((out.float() - want.float()).abs().max())}"
+
+
+NH, NKV, D, L = 32, 8, 128, 1024  # attention chains: H = NH * D
+
+
+def _attention_chain(x, layers, caches, lengths, pos, cos_sin, rope_mode: bool) -> torch.Tensor:
+    """x [M, H] through decode layers of q|k|v GEMV -> attention (RoPE mode, or rope_kv then attention) -> o
+    GEMV + residual. The attention kernel issues its cache copies before its PDL wait: each layer's must
+    still see the new token the kernel before it (rope_kv) or it itself stored."""
+    row = torch.arange(x.shape[0], dtype=torch.int32, device="cuda")
+    for (w_qkv, w_o), (k, v) in zip(layers, caches):
+        qkv = fp16_linear(x, w_qkv)  # [M, (NH + 2 NKV) D]
+        if rope_mode:
+            o = attention_decode_rope(qkv, cos_sin, k, v, lengths, NH)
+        else:
+            o = attention_decode(rope_kv(qkv, cos_sin, pos, row, k, v, NH, NKV), k, v, lengths)
+        x = fp16_linear(o.reshape(x.shape[0], -1), w_o, residual=x)
+    return x
+
+
+@pytest.mark.parametrize("rope_mode", [True, False], ids=["rope-mode", "rope_kv"])
+def test_attention_chain_graph_replays_bitwise_equal(rope_mode):
+    """A captured chain replayed at new lengths (the new token in the first, second or a later stage of its
+    block) against serialized launches on a copy of the caches: outputs and caches bit for bit."""
+    M, n_layers = 2, 3
+    g = torch.Generator().manual_seed(7)
+    layers = [((torch.randn((NH + 2 * NKV) * D, NH * D, generator=g) / 64).half().cuda(),
+               (torch.randn(NH * D, NH * D, generator=g) / 64).half().cuda()) for _ in range(n_layers)]
+    caches = [tuple(torch.randn(M, NKV, L, D, generator=g).half().cuda() for _ in "kv") for _ in range(n_layers)]
+    ref_caches = [(k.clone(), v.clone()) for k, v in caches]
+    cos_sin = rope_table(D, 10000.0, L, device="cuda")
+    lengths = torch.tensor([5, 70], dtype=torch.int32, device="cuda")
+    pos = lengths - 1
+    static = torch.randn(M, NH * D, generator=g).half().cuda()
+    with build.programmatic():
+        _attention_chain(static, layers, caches, lengths, pos, cos_sin, rope_mode)  # warm-up: compile, allocate
+        build.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=build.torch_stream()):
+            out = _attention_chain(static, layers, caches, lengths, pos, cos_sin, rope_mode)
+    want = _attention_chain(static, layers, ref_caches, lengths, pos, cos_sin, rope_mode)  # the warm-up's step
+    for trial, lens in enumerate(([6, 71], [17, 64], [65, 129], [300, 1024])):
+        lengths.copy_(torch.tensor(lens, dtype=torch.int32))
+        pos.copy_(lengths - 1)
+        x = torch.randn(M, NH * D, generator=g).half().cuda()
+        want = _attention_chain(x, layers, ref_caches, lengths, pos, cos_sin, rope_mode)  # serialized launches
+        static.copy_(x)
+        graph.replay()
+        assert torch.isfinite(want).all()
+        assert torch.equal(out, want), f"replay {trial}: max diff {float((out.float() - want.float()).abs().max())}"
+        for (k, v), (rk, rv) in zip(caches, ref_caches):
+            assert torch.equal(k, rk) and torch.equal(v, rv), f"replay {trial}: caches differ"
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "int8-dynamic", "awq"])
