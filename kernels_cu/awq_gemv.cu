@@ -6,8 +6,9 @@
 // directly (awq_gemm.cu) is instruction-bound at ~40-50% of the bandwidth. Here every lane's 16 bytes
 // are already 32 k-values of ONE output channel, nibbles placed so that the four LOP3 extractions of a
 // word give A-fragment pairs of an m16n8k16 mma as they come:
-//   block = 4 warps on a panel of 16 output channels (rows g and g + 8 of the mma, as fp16_gemv.cu),
-//   the warps taking turns over the panel's 128-k tiles and meeting in shared memory at the end;
+//   block = W = 4 (or 8, the *_w8 entries) warps on a panel of 16 output channels (rows g and g + 8 of the
+//   mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and meeting in shared memory
+//   at the end (warps 0-3 sum and write);
 //   a 128-k tile of the panel is 1 KB: [h = row g | row g + 8][lane][4 words];
 //   lane (g, t)'s 32 values of a tile are, for each group q of the tile (GS = 128 / GPT k's), the GS / 4
 //   consecutive k's k0 + q * GS + t * GS / 4 ...: its activations are 64 contiguous bytes per group-run,
@@ -26,7 +27,8 @@
 // this GEMV a producer (also xg = fp16(h * fold_w) and the panel's sum of h^2); fold_in a consumer (x is xg,
 // each token's sums scaled by its rstd before rounding).
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
-//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128.
+//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w8
+//   the same with block 256.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
 #include "common.cuh"
@@ -37,11 +39,10 @@ using namespace fllama;
 
 namespace {
 
-constexpr int WARPS = 4;
 constexpr int TILE_K = 128;
 constexpr int TILE_WORDS = 256;  // 1 KB: 2 rows x 32 lanes x 4 words
 
-template <int MT, int GPT, int EPI, int U>
+template <int MT, int GPT, int EPI, int U, int W>
 __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* __restrict__ x,
                                          const uint32_t* __restrict__ packed, const uint32_t* __restrict__ terms,
                                          const __half* __restrict__ residual, int M, int N, int K, int tiles,
@@ -52,7 +53,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     constexpr int UPG = 4 / GPT;  // 16-byte activation loads per group-run
     constexpr int GS = TILE_K / GPT;
     static_assert(GPT == 1 || GPT == 2 || GPT == 4, "groups of 128, 64 or 32 k per tile run");
-    __shared__ float red[WARPS][MT][4][32];
+    __shared__ float red[W][MT][4][32];
     __shared__ float s_rstd[8 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -80,14 +81,14 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][r] = 0.0f;
 
-    // One step = U tiles of this warp (tile = base + u * WARPS + warp). The weights and group terms of the
+    // One step = U tiles of this warp (tile = base + u * W + warp). The weights and group terms of the
     // next step are issued before this step's math (software pipeline, as in fp16_gemv.cu), so a warp
     // keeps U KB of weights in flight; activations (L1/L2 hits after the first warp) are loaded at the
     // start of their step, which keeps the registers within what the entry points' block counts allow.
     // At M <= 8 the kernel is bound by instruction issue (ncu: docs/gpu.md), so the steps that lie wholly
     // inside K (all but at most the last) run without guards, zero fills or per-load address arithmetic;
     // only the last step (tiles past the end, k's past K) is guarded.
-    constexpr int STEP = U * WARPS;
+    constexpr int STEP = U * W;
     const int full_steps = K / (STEP * TILE_K);
     struct Step {
         uint4 w[U][2];
@@ -98,9 +99,9 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     auto load_w = [&](bool last, int base, const uint32_t* w, const uint32_t* tm, Step& s) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const uint32_t* wu = w + u * WARPS * TILE_WORDS;
-            const uint32_t* tu = tm + u * WARPS * GPT * 16;
-            const bool ok = base + u * WARPS + warp < tiles;
+            const uint32_t* wu = w + u * W * TILE_WORDS;
+            const uint32_t* tu = tm + u * W * GPT * 16;
+            const bool ok = base + u * W + warp < tiles;
             s.w[u][0] = last ? ld_stream(wu, ok) : ld_stream_always(wu);
             s.w[u][1] = last ? ld_stream(wu + 128, ok) : ld_stream_always(wu + 128);
 #pragma unroll
@@ -146,11 +147,11 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const __half* p = xq[mt] + u * WARPS * TILE_K + x_off(i);
+                    const __half* p = xq[mt] + u * W * TILE_K + x_off(i);
                     if (!last) {
                         xv[u][mt][i] = ld_cached_always(p);
                     } else {
-                        const int k = (full_steps * STEP + u * WARPS + warp) * TILE_K + t * (GS / 4) + x_off(i);
+                        const int k = (full_steps * STEP + u * W + warp) * TILE_K + t * (GS / 4) + x_off(i);
                         xv[u][mt][i] = ld_cached(p, k < K && x_ok[mt]);
                     }
                 }
@@ -184,7 +185,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     else load_w(true, 0, wq, tq, sa);
     pdl_wait();
     pdl_gemv_started();
-    if (fold_in != nullptr) fold_prefetch<WARPS>(fold_in, m0, rows, K / 16);  // L1 by the tail
+    if (fold_in != nullptr) fold_prefetch<W>(fold_in, m0, rows, K / 16);  // L1 by the tail
     int s = 0;
     for (; s + 1 < full_steps; s += 2) {
         full_step(s, sa, sb);
@@ -198,20 +199,21 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     }
 
     pdl_gemv_streamed();
-    // the deferred norm: each warp's rstd (its 8 MT / WARPS tokens), read by all after the barrier below
-    if (fold_in != nullptr) fold_rstd<WARPS, 2 * MT>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
+    // the deferred norm: each warp's rstd (its 8 MT / W tokens), read by all after the barrier below
+    if (fold_in != nullptr) fold_rstd<W, 8 * MT / W>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
     __syncthreads();  // red, and the deferred norm's s_rstd
 
-    // Thread (r, l) sums accumulator r of lane l over the warps in a fixed order (deterministic).
+    // Thread (r, l) sums accumulator r of lane l over the warps in a fixed order (deterministic): warps 0-3.
+    if (W > 4 && warp >= 4) return;
     const int r = warp, l = lane;
     auto red_sum = [&](int mt, int rr) {
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
+        for (int w = 0; w < W; ++w) sum += red[w][mt][rr][l];
         return sum;
     };
     if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
@@ -279,14 +281,15 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
 // (y fp16, x fp16 [M,K], packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles * GPT, 8, 2],
 //  residual fp16 [M,N] or null, int M, int N, int K, int tiles, fold_w fp16 [N] or null, fold_xg fp16 [M,N],
 //  fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
-#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, BLOCKS, NAME)                                                     \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) awq_gemv_mt##MT##_g##GPT##_##NAME(           \
+#define FLLAMA_AWQ_GEMV_W(MT, GPT, EPI, U, W, BLOCKS, NAME)                                                \
+    extern "C" __global__ void __launch_bounds__(32 * W, BLOCKS) awq_gemv_mt##MT##_g##GPT##_##NAME(        \
         __half* y, const __half* x, const uint32_t* packed, const uint32_t* terms, const __half* residual,  \
         int M, int N, int K, int tiles, const __half* fold_w, __half* fold_xg, float* fold_part,            \
         const float* fold_in, float eps) {                                                                  \
-        awq_gemv<MT, GPT, EPI, U>(y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, \
-                                  fold_in, eps);                                                            \
+        awq_gemv<MT, GPT, EPI, U, W>(y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg,        \
+                                     fold_part, fold_in, eps);                                              \
     }
+#define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, BLOCKS, NAME) FLLAMA_AWQ_GEMV_W(MT, GPT, EPI, U, 4, BLOCKS, NAME)
 #define FLLAMA_AWQ_GEMV_EPIS(MT, GPT, U, BLOCKS)                                                 \
     FLLAMA_AWQ_GEMV(MT, GPT, 0, U, BLOCKS, plain) FLLAMA_AWQ_GEMV(MT, GPT, 1, U, BLOCKS, res) \
     FLLAMA_AWQ_GEMV(MT, GPT, 2, U, BLOCKS, silu)
@@ -301,6 +304,12 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
 FLLAMA_AWQ_GEMV_EPIS(1, 1, 2, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3, 3) FLLAMA_AWQ_GEMV_EPIS(1, 4, 2, 3)
 FLLAMA_AWQ_GEMV_GROUPS(2, 2)
 FLLAMA_AWQ_GEMV_GROUPS(4, 1)
+// W = 8 warps per panel (block 256, two resident: the same 16 warps per SM), 8 tokens, groups of 128, for
+// grids of few panels (awq_gemv.py WIDE_WAVES): LLaMA-2-7B's o_proj / down_proj have 256 panels, which at
+// 4 warps left every SM with about two blocks, half its warp slots; at 8 each warp streams half the tiles.
+FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 8, 2, plain_w8)
+FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 8, 2, res_w8)
+FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 8, 2, silu_w8)
 
 // (w_hat fp16 [N,K], packed, terms, int N, int K, int tiles); one thread per 16 bytes of w_hat
 #define FLLAMA_AWQ_PACKED_DEQUANT(GPT)                                                                      \

@@ -22,7 +22,7 @@ import torch
 from calibrate.awq_pack import unpack_awq
 from kernels_cu import awq_batch, build, norm_fold
 from kernels_cu.checks import check_tensor, out_or_new
-from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, token_tile
+from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, sm_count, token_tile
 from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
 from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved
@@ -32,6 +32,13 @@ PANEL = 16
 GEMV_MAX_M = 64  # above: dequantize + cuBLAS (one weight read per 32 tokens costs more than a dequant pass)
 BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) instead of the GEMV
 THREADS = 128
+# 8 warps per panel (the *_w8 entries: up to 8 tokens, groups of 128) where the 4-warp grid is at most
+# WIDE_WAVES waves of four resident blocks per SM: the same 16 warps per SM then each stream half a panel,
+# and few panels no longer leave SMs with half their warps. Engine A/B, LLaMA-2-7B awq on an H200, decode
+# tok/s at batch 1 / 4 / 8: o_proj + down_proj (256 panels, 0.5 waves) +2.8 / +2.1 / +1.2%; q|k|v on top
+# (768, 1.45 waves) +0.6 / +1.1 / +1.6%; gate|up (1376, 2.6 waves) -5.6 / -4.7 / -3.1% (each block's
+# reduction and epilogue are paid twice as often). This rule (o, down, q|k|v) against none: +3.7 / +3.1 / +2.7%.
+WIDE_WAVES = 1.5
 # y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPPiiiiPPPPf"
 # Position r (0..7) of a word's eight values (mma 2w: r 0-3, mma 2w + 1: r 4-7) lives in nibble NIBBLE_OF[r].
@@ -208,9 +215,11 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
         mt = token_tile(M, AWQ_WIDEST_TILE)
         if not _fold_compiled(mt, p.gpt) and (fold_in is not None or fold_out is not None):
             raise ValueError(f"the AWQ GEMV variant for {M} rows and groups of {p.gs} k takes no deferred RMSNorm")
-        fn = build.get_function("awq_gemv.cu", f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}", SIGNATURE)
-        fn(gemv_grid(M, p.n), (THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k, p.tiles,
-           *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
+        name = f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}"
+        wide = mt == 1 and p.gpt == 1 and p.n // PANEL <= WIDE_WAVES * 4 * sm_count(x.device.index)
+        fn = build.get_function("awq_gemv.cu", name + ("_w8" if wide else ""), SIGNATURE)
+        fn(gemv_grid(M, p.n), (2 * THREADS if wide else THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
+           p.tiles, *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
     return y
 
 

@@ -16,10 +16,10 @@ if not GPU_STACK:
 
 from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
 from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
-from kernels_cu.awq_gemv import (GEMV_MAX_M, SIGNATURE, THREADS, awq_gemv, awq_linear, awq_linear_ref,  # noqa: E402
-                                 awq_packed_dequantize, pack_for_gemv)
+from kernels_cu.awq_gemv import (GEMV_MAX_M, SIGNATURE, THREADS, WIDE_WAVES, awq_gemv, awq_linear,  # noqa: E402
+                                 awq_linear_ref, awq_packed_dequantize, pack_for_gemv)
 from kernels_cu import build  # noqa: E402
-from kernels_cu.gemm_shapes import cdiv  # noqa: E402
+from kernels_cu.gemm_shapes import cdiv, sm_count  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -62,6 +62,30 @@ def test_fused_residual(M):
     p = pack_for_gemv(qweight, qzeros, scales)
     x, res = randn(M, 4096, seed=M), randn(M, 4096, seed=M + 1)
     check_gemm(awq_linear(x, p, residual=res), awq_linear_ref(x, p, residual=res), f"residual M={M}")
+
+
+@pytest.mark.parametrize("epi", ["plain", "res", "silu"])
+@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (4096, 12288), (4096, 22016)])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_eight_warp_entries(M, K, N, epi, monkeypatch):
+    """The 8-warp entries (grids of at most WIDE_WAVES waves): one full step (K 2048), full steps and a guarded
+    last step (11008: 86 tiles over steps of 16); the widest shape stays on the 4-warp entry."""
+    qweight, qzeros, scales = awq_tensors(K, N, 128, seed=M + K + N)
+    p = pack_for_gemv(qweight, qzeros, scales, swiglu=epi == "silu")
+    x, res = randn(M, K, seed=M), (randn(M, N, seed=M + 1) if epi == "res" else None)
+    names, get = [], build.get_function
+    monkeypatch.setattr(build, "get_function", lambda cu, name, *a: names.append(name) or get(cu, name, *a))
+    y = torch.empty(M, N // 2 if epi == "silu" else N, dtype=torch.float16, device="cuda")
+    poison(y)
+    awq_linear(x, p, residual=res, out=y)
+    wide = N // 16 <= WIDE_WAVES * 4 * sm_count()
+    assert names == [f"awq_gemv_mt1_g1_{epi}" + ("_w8" if wide else "")], names
+    ref = awq_linear_ref(x, p, residual=res)
+    if epi == "silu":
+        gu = awq_linear_ref(x, pack_for_gemv(qweight, qzeros, scales))  # [M, N]: gate | up
+        check_swiglu(y, gu[:, :N // 2], gu[:, N // 2:], ref, f"8 warps swiglu M={M} K={K} N={N}")
+    else:
+        check_gemm(y, ref, f"8 warps {epi} M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("K,F,G", [(4096, 11008, 128), (576, 1536, 64), (576, 1536, 192)])
@@ -127,3 +151,12 @@ def test_gemv_resources(mt, gpt, epi):
     blocks = 4 if (mt, gpt) == (1, 1) else 3
     per_thread = cdiv(res["registers"], 8) * 8  # the register file is handed out in steps of 8 per thread
     assert per_thread * THREADS * blocks <= 65536, res
+
+
+@pytest.mark.parametrize("epi", ["plain", "res", "silu"])
+def test_eight_warp_entry_resources(epi):
+    """The 8-warp entries: no spills, and two 256-thread blocks per SM (the same 16 warps as four 4-warp
+    blocks)."""
+    res = build.get_function("awq_gemv.cu", f"awq_gemv_mt1_g1_{epi}_w8", SIGNATURE).resources()
+    assert res["local_bytes"] == 0, res
+    assert cdiv(res["registers"], 8) * 8 * 2 * THREADS * 2 <= 65536, res
