@@ -22,18 +22,26 @@ DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faste
 
 
 def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-              residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q_x int8 [M, K], a_scale fp32 [M] or [1], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N]."""
+              residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              wgmma: bool | None = None) -> torch.Tensor:
+    """q_x int8 [M, K], a_scale fp32 [M] or [1], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N].
+
+    wgmma: None chooses the kernel (int8_wgmma.takes); True forces int8_wgmma.cu at any M (tests, benchmarks:
+    needs an sm_90 GPU and N % 8 == 0); False keeps it off."""
     M, K, N = _check(q_x, a_scale, qweight, w_scale, residual)
-    if int8_wgmma.takes(q_x, N):
-        return int8_wgmma.launch(q_x, a_scale, qweight, w_scale, residual, out)
+    if wgmma is None:
+        wgmma = int8_wgmma.takes(q_x, N)
+    elif wgmma and N % 8:
+        raise ValueError(f"int8_wgmma needs N % 8 == 0, got N={N}")
     a_stride = 1 if a_scale.numel() == M else 0
     with build.on_stream():
         y = out_or_new(out, (M, N), torch.float16, q_x, "out", align=8)
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        if M > DECODE_MAX_M and N % 8 == 0:
+        if wgmma:
+            int8_wgmma.launch(y, q_x, a_scale, a_stride, qweight, w_scale, residual)
+        elif M > DECODE_MAX_M and N % 8 == 0:
             acc = torch._int_mm(q_x, qweight.t())  # [M, N] int32 (cuBLASLt, TN layout)
             fn = build.get_function("int8_gemm.cu", f"int8_dequant{res}", "PPPiPPii")
             fn((cdiv(M * N // 4, GEMV_THREADS),), (GEMV_THREADS,), y, acc, a_scale, a_stride, w_scale, residual, M, N)

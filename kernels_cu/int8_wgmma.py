@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from kernels_cu import build
-from kernels_cu.checks import out_or_new
 from kernels_cu.gemm_shapes import cdiv, sm_count
 
 BM, BN, BK, STAGES = 128, 256, 128, 4  # tokens x channels per block, k bytes per stage: int8_wgmma.cu
@@ -30,18 +29,14 @@ def takes(q_x: torch.Tensor, n: int) -> bool:
     return build.has_wgmma(dev) and cdiv(q_x.shape[0], BM) * cdiv(n, BN) >= sm_count(dev)
 
 
-def launch(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
-           residual: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-    """Arguments as int8_gemm (which checks them): q_x int8 [M, K], K % 16 == 0; N % 8 == 0."""
+def launch(y: torch.Tensor, q_x: torch.Tensor, a_scale: torch.Tensor, a_stride: int, qweight: torch.Tensor,
+           w_scale: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """y fp16 [M, N] = the GEMM; int8_gemm checks the arguments, makes y and a_stride (1: per-token scales, 0:
+    one per tensor) and calls this inside `build.on_stream()` with M, N > 0. q_x int8 [M, K], K % 16 == 0;
+    N % 8 == 0."""
     M, K = q_x.shape
     N = qweight.shape[0]
-    a_stride = 1 if a_scale.numel() == M else 0
-    with build.on_stream():
-        y = out_or_new(out, (M, N), torch.float16, q_x, "out", align=8)
-        if M == 0 or N == 0:
-            return y
-        res = "_res" if residual is not None else ""
-        fn = build.get_function("int8_wgmma.cu", f"int8_wgmma{res}", "PPPiPPPiii")
-        fn((cdiv(M, BM), cdiv(N, BN)), (THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual, M, N, K,
-           shared=SMEM_BYTES)
-    return y
+    res = "_res" if residual is not None else ""
+    fn = build.get_function("int8_wgmma.cu", f"int8_wgmma{res}", "PPPiPPPiii")
+    fn((cdiv(M, BM), cdiv(N, BN)), (THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual, M, N, K,
+       shared=SMEM_BYTES)

@@ -17,7 +17,7 @@ def main() -> None:
     from kernels_cu.embedding import embedding, embedding_fold
     from kernels_cu.norm_fold import FoldOut
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
-    from kernels_cu import awq_wgmma, int8_wgmma
+    from kernels_cu import awq_wgmma
     from kernels_cu.int8_gemm import int8_gemm
     from kernels_cu.quantize import quantize
     from kernels_cu.rmsnorm import add_rmsnorm, add_rmsnorm_quant, rmsnorm, rmsnorm_quant
@@ -75,7 +75,7 @@ def main() -> None:
             xm = r(130, H)
             qw, ws = quantize_weight_int8(r(200, H).float())
             qx, sx = quantize(xm)
-            int8_wgmma.launch(qx, sx, qw, ws, r(130, 200), None)
+            int8_gemm(qx, sx, qw, ws, residual=r(130, 200), wgmma=True)
             p128 = pack_for_gemv(*quantize_awq(r(272, 640).float(), 128))
             awq_wgmma.launch(r(130, 640), p128, r(130, 272), None)
         B, L = 3, 300

@@ -31,7 +31,7 @@ def run(M: int, K: int, N: int, seed: int, per_token: bool = True, residual: boo
     res = randn(M, N, seed=seed + 4) if residual else None
     big = torch.empty(M + 8, N, dtype=torch.float16, device="cuda")
     poison(big)
-    int8_wgmma.launch(q_x, a_scale, qweight, w_scale, res, big[:M])
+    int8_gemm(q_x, a_scale, qweight, w_scale, residual=res, out=big[:M], wgmma=True)
     assert bool(torch.isnan(big[M:]).all()), "rows past M were written"
     return big[:M], int8_gemm_ref(q_x, a_scale, qweight, w_scale, residual=res)
 
