@@ -8,6 +8,8 @@ and the percentage of the device-to-device copy bandwidth:
     fused             attention_decode: one launch
     2kernel+quantize  the int8 engine's attention today: two kernels, then quantize.py (dynamic)
     fused-quant       attention_decode_quant (dynamic per-token amax): one launch
+    fused-ws          attention_decode with the workspace combine (no thread-block clusters: what the fused
+    fused-quant-ws    launches are where their units' blocks are not clusters, and on GPUs before sm_90)
     fused-sN          the fused kernel with S = N splits per unit (--splits N,M: tuning)
 """
 
@@ -21,6 +23,17 @@ from kernels_cu import attention_decode as ad
 from kernels_cu import build
 from kernels_cu.microbench import copies_for, copy_bandwidth, time_graph
 from kernels_cu.quantize import quantize
+
+
+def without_clusters(fn):
+    """fn with attention_decode.CLUSTERS off while it runs (graph capture included)."""
+    def run(i):
+        saved, ad.CLUSTERS = ad.CLUSTERS, False
+        try:
+            return fn(i)
+        finally:
+            ad.CLUSTERS = saved
+    return run
 
 
 def bench(B: int, ctx: int, cap: int, H: int, Hkv: int, D: int, bw: float, splits: list[int]) -> list[tuple]:
@@ -38,6 +51,8 @@ def bench(B: int, ctx: int, cap: int, H: int, Hkv: int, D: int, bw: float, split
                                                .reshape(B, H * D)),
         "fused-quant": lambda i: ad.attention_decode_quant(q, ks[i], vs[i], lengths),
     }
+    variants["fused-ws"] = without_clusters(variants["fused"])
+    variants["fused-quant-ws"] = without_clusters(variants["fused-quant"])
     for s in splits:
         variants[f"fused-s{s}"] = (lambda s: lambda i: ad._launch_fused(q, ks[i], vs[i], lengths, None, None, None,
                                                                         None, quant=False, splits=s))(s)

@@ -274,6 +274,14 @@ extern "C" __global__ void __launch_bounds__(128)
 //      last block reads the row's H * D fp16 values back (L2), takes amax and quantizes, so q_out equals
 //      quantize_ref(out) bit for bit.
 //   counters int32 [units + B], zero before the first launch, zero again after every launch.
+// *_cl entries (CL): the same kernel launched in thread-block clusters of S blocks (cluster dims (S, 1, 1), S
+//   <= 16), one cluster per unit, for the small-batch grids where a unit has several blocks (LLaMA-2-7B at
+//   batch 1: S = 12). Step 3 then needs no global round trips: each block leaves its (O, m, l) in its own
+//   shared memory, the cluster meets at a barrier (release / acquire), block 0 reads the partials through
+//   distributed shared memory (ld.shared::cluster) and combines them in split order (the same arithmetic as
+//   the workspace path, so the same bits), and a second barrier keeps every block's shared memory alive until
+//   block 0 has read it. No fence, no counter, no workspace. Blocks past the row's end take part in both
+//   barriers (a cluster barrier counts every thread of every block) and exit.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
 //   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
 //   token sits at p = lengths[b] - 1 (cache row b). Every block rotates the query heads it needs itself,
@@ -292,6 +300,23 @@ constexpr int STAGE = WARPS * 16;  // positions per pipeline stage: one 16-posit
 constexpr int NBUF = 2;            // stages resident in shared memory
 constexpr int PH_STRIDE = 24;      // halves per head row of a warp's P tile: conflict-free reads and writes
 constexpr int MAX_SPLITS = 512;
+constexpr int CLUSTER_MAX = 16;  // blocks per cluster (non-portable above 8; H100 / H200 allow 16)
+
+// The thread-block cluster's barrier, every thread of every block (release: this block's shared-memory
+// writes are visible to the cluster after it; acquire: the others' are visible here).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// A float in block `rank`'s shared memory at the address `p` has in this block's (same kernel, same layout).
+__device__ __forceinline__ float ld_cluster(const float* p, int rank) {
+    uint32_t local = (uint32_t)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
 
 // Shared-memory layout, mirrored by attention_decode.fused_smem_bytes: NBUF x [K | V | k scales | v
 // scales], then the warps' P tiles. Rows are padded by 16 bytes so the 8 rows one ldmatrix phase reads
@@ -311,6 +336,11 @@ struct Geom {
     // the warps' merge area and the combine's weights reuse the stage buffers
     static_assert(WARPS * SLOTS * (D + 2) * 4 <= NBUF * BUF_BYTES, "merge area overflows the stage buffers");
     static_assert(SLOTS * MAX_SPLITS * 4 <= NBUF * BUF_BYTES, "combine weights overflow the stage buffers");
+    // CL: the block's partial O [SLOTS][D] and (m, l) [SLOTS][2] in floats, after the merge area (which the
+    // combine's weights, SLOTS * S <= 128 floats, then overwrite)
+    static constexpr int CL_O = WARPS * SLOTS * (D + 2), CL_ML = CL_O + SLOTS * D;
+    static_assert((CL_ML + 2 * SLOTS) * 4 <= NBUF * BUF_BYTES, "cluster partials overflow the stage buffers");
+    static_assert(SLOTS * CLUSTER_MAX <= CL_O, "combine weights overlap the cluster partials");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -453,7 +483,7 @@ __device__ __forceinline__ void store_new_kv(const __half* k_src, const __half* 
     }
 }
 
-template <int D, bool KV8>
+template <int D, bool KV8, bool CL>
 __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __restrict__ q_out,
                                            float* __restrict__ a_scale, const float* __restrict__ static_amax,
                                            float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -480,7 +510,13 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     const int ntiles = (len + 15) / 16;
     const int tps = span_tiles > 0 ? span_tiles : max(1, (ntiles + S - 1) / S);
     const int n_act = len > 0 ? (ntiles + tps - 1) / tps : 1;  // an empty row: block 0 writes zeros
-    if (split >= n_act) return;  // whole block, before any barrier
+    if (split >= n_act) {  // whole block, before any barrier (CL: after the cluster's two)
+        if (CL) {
+            cluster_sync();
+            cluster_sync();
+        }
+        return;
+    }
 
     const int slots = min(SLOTS, R - hg * SLOTS), head0 = kvh * R + hg * SLOTS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -708,6 +744,14 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             const __half y = __float2half_rn(len > 0 ? acc / l : 0.0f);  // an empty row attends to nothing
             out[out_row + (size_t)(head0 + h) * D + d] = y;
             if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+        } else if (CL) {
+            float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
+            float* cl_ml = reinterpret_cast<float*>(smem) + G::CL_ML;
+            cl_o[h * D + d] = acc;
+            if (d == 0) {
+                cl_ml[2 * h] = m;
+                cl_ml[2 * h + 1] = l;
+            }
         } else {
             const size_t ph_idx = ((size_t)b * H + head0 + h) * S + split;
             part_o[ph_idx * D + d] = acc;
@@ -718,19 +762,31 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         }
     }
 
-    if (n_act > 1) {  // publish the partial, count it, the last block of the unit combines
-        if (!last_block_arrives(&counters[u], n_act, s_last)) return;
-        float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M)
+    // the unit's combine: partial c's (m, l) of head slot h and its O at dim d, from the workspace (after the
+    // last block's fence and counter) or, CL, from block c's shared memory (after the cluster barrier)
+    const float* cl_o = reinterpret_cast<const float*>(smem) + G::CL_O;
+    const float* cl_ml = reinterpret_cast<const float*>(smem) + G::CL_ML;
+    auto part_m = [&](int h, int c) {
+        return CL ? ld_cluster(cl_ml + 2 * h, c) : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2);
+    };
+    auto part_l = [&](int h, int c) {
+        return CL ? ld_cluster(cl_ml + 2 * h + 1, c) : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2 + 1);
+    };
+    auto part_od = [&](int h, int d, int c) {
+        return CL ? ld_cluster(cl_o + h * D + d, c) : __ldcg(part_o + (((size_t)b * H + head0 + h) * S + c) * D + d);
+    };
+    if (CL) cluster_sync();  // every block's partial is in its shared memory
+    if (n_act > 1 && (CL ? split == 0 : last_block_arrives(&counters[u], n_act, s_last))) {
+        float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M) (over the merge area)
         for (int h = warp; h < slots; h += WARPS) {
-            const float* ml = part_ml + ((size_t)b * H + head0 + h) * S * 2;
             float m = -INFINITY;
-            for (int c = lane; c < n_act; c += 32) m = fmaxf(m, __ldcg(ml + 2 * c));
+            for (int c = lane; c < n_act; c += 32) m = fmaxf(m, part_m(h, c));
             m = warp_max(m);
             float l = 0.0f;
             for (int c = lane; c < n_act; c += 32) {
-                const float w = exp2f(__ldcg(ml + 2 * c) - m);
+                const float w = exp2f(part_m(h, c) - m);
                 wts[h * S + c] = w;
-                l += w * __ldcg(ml + 2 * c + 1);
+                l += w * part_l(h, c);
             }
             l = warp_sum(l);
             if (lane == 0) s_l[h] = l;
@@ -738,14 +794,28 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         __syncthreads();
         for (int e = tid; e < slots * D; e += THREADS) {
             const int h = e / D, d = e % D;
-            const float* po = part_o + ((size_t)b * H + head0 + h) * S * D + d;
             float acc = 0.0f;
+            if (CL) {  // every remote load issued before the first use: one DSMEM round trip, not n_act
+                float pv[CLUSTER_MAX];
+#pragma unroll
+                for (int c = 0; c < CLUSTER_MAX; ++c) pv[c] = c < n_act ? part_od(h, d, c) : 0.0f;
+#pragma unroll
+                for (int c = 0; c < CLUSTER_MAX; ++c)
+                    if (c < n_act) acc += wts[h * S + c] * pv[c];
+            } else {
 #pragma unroll 4
-            for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * __ldcg(po + (size_t)c * D);
+                for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
+            }
             const __half y = __float2half_rn(acc / s_l[h]);
             out[out_row + (size_t)(head0 + h) * D + d] = y;
             if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
         }
+    } else if (n_act > 1 && !CL) {
+        return;  // not the unit's last block
+    }
+    if (CL) {
+        cluster_sync();  // block 0 has read every partial: the others may exit
+        if (split != 0) return;
     }
 
     // this block finished its unit's heads
@@ -782,14 +852,16 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 //  float scale_log2)
 // grid (S, B * Hkv * ceil(H / Hkv / 8)), block 128, dynamic shared memory Geom<D, KV8>::SMEM.
 // MINB: resident blocks per SM the launcher counts on (d128 fp16: shared memory allows 3; others 4).
-#define FLLAMA_ATTN_FUSED(NAME, D, KV8, MINB)                                                               \
+#define FLLAMA_ATTN_FUSED(NAME, D, KV8, MINB) FLLAMA_ATTN_FUSED_CL(NAME, D, KV8, MINB, false) \
+    FLLAMA_ATTN_FUSED_CL(NAME##_cl, D, KV8, MINB, true)
+#define FLLAMA_ATTN_FUSED_CL(NAME, D, KV8, MINB, CL)                                                        \
     extern "C" __global__ void __launch_bounds__(fused::THREADS, MINB)                                      \
         NAME(__half* out, int8_t* q_out, float* a_scale, const float* static_amax, float* part_o,          \
              float* part_ml, int* counters, const __half* q, const __half* qkv, const float* cos_sin,       \
              void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
              int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
         pdl_enter_attention();                                                                             \
-        fused::attn_fused<D, KV8>(out, q_out, a_scale, static_amax, part_o, part_ml, counters, q, qkv,     \
+        fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, part_o, part_ml, counters, q, qkv,     \
                                   cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S,      \
                                   span_tiles, max_pos, scale_log2);                                        \
     }

@@ -10,6 +10,9 @@ Two launch paths (D is 64 or 128):
   the last block of a unit to finish combines the partials, found with a per-unit counter that the
   kernel puts back to zero itself. `attention_decode_quant` also quantizes the output per token to int8
   (the quantize.py rule over each row's H * D values) in the same launch.
+  Where a unit has 2-16 blocks (small batches: LLaMA-2-7B at batch 1 has 12) and the GPU has thread-block
+  clusters (sm_90), each unit's blocks run as one cluster and combine through distributed shared memory
+  instead (the `_cl` entries: no workspace, fence or counter; the same bits).
 - fused=False: the two-kernel flash-decoding path (chunks of up to 512 positions, then a combine).
 
 RoPE mode (`attention_decode_rope`, `attention_decode_rope_quant`): the fused kernel also does rope_kv's
@@ -24,6 +27,7 @@ row = b) followed by attention_decode: p outside the table -> q = 0 and no write
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +46,10 @@ FUSED_STAGE = 16 * FUSED_WARPS  # positions per pipeline stage
 FUSED_NBUF = 2  # stages resident in shared memory
 FUSED_PH_STRIDE = 24  # halves per head row of a warp's P tile
 MAX_SPLITS = 512
+CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (attention_decode.cu; non-portable above 8)
+CLUSTERS = True  # the `_cl` entries where they apply (False: the workspace combine everywhere; A/B runs)
 COUNTER_POOL = "attention"
+SIGNATURE = "PPPPPPPPPPPPPPPiiiiiif"  # the attn_fused_* entries
 FUSED_STATIC_SMEM = 176  # bytes of static shared memory (ptxas)
 BLOCK_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident block (sm_80 and later)
 MAX_BLOCKS_PER_SM = 4  # the register budget (<= 128 per thread except d128 fp16, which smem caps at 3)
@@ -55,11 +62,12 @@ class FusedLaunch:
     span_tiles: int  # 0: tiles per block = ceil(tiles / S) at run time; else fixed (the `chunk` option)
     units: int  # B * Hkv * head groups
     smem: int  # dynamic shared memory bytes
+    cluster: bool = False  # each unit's S blocks one thread-block cluster (the `_cl` entry)
 
     def __post_init__(self):
         if not 1 <= self.splits <= MAX_SPLITS:
             raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {self.splits}")
-        if self.span_tiles < 0 or self.units < 0 or self.smem <= 0:
+        if self.span_tiles < 0 or self.units < 0 or self.smem <= 0 or (self.cluster and self.splits > CLUSTER_MAX):
             raise ValueError(f"bad fused launch {self}")
 
 
@@ -76,26 +84,40 @@ def fused_blocks_per_sm(D: int, kv8: bool, smem_per_sm: int) -> int:
 
 
 def fused_launch(L: int, B: int, Hkv: int, groups: int, D: int, kv8: bool, sms: int, smem_per_sm: int,
-                 chunk: int | None = None, splits: int | None = None) -> FusedLaunch:
+                 chunk: int | None = None, splits: int | None = None,
+                 max_clusters: Callable[[int], int] | None = None) -> FusedLaunch:
     """Splits per unit: enough blocks for one full wave (blocks per SM x SMs) when the rows are long.
 
     Depends on the cache shape, batch and device only (never on the lengths), so one graph serves every
     step. `chunk` instead fixes the positions per block (a multiple of 16) and S = ceil(L / chunk);
     `splits` forces S (tuning).
+
+    max_clusters(S) -> how many clusters of S blocks the GPU holds at once (None: no clusters). A launch of
+    2-CLUSTER_MAX splits becomes one cluster per unit, with S lowered to the largest that keeps every cluster
+    in one wave (a cluster that does not fit waits for a whole one to finish: 8.6 -> 11.9 us for LLaMA-2-7B
+    batch 1 at S = 12, where 30 of its 32 clusters fit; at S = 10, 7.8 us, H200). A fixed chunk or forced
+    `splits` keeps its S (and a cluster only where that S fits).
     """
     units = B * Hkv * groups
     smem = fused_smem_bytes(D, kv8)
+    span, forced = 0, splits is not None
     if chunk is not None:
         if chunk % 16 or chunk < 16:
             raise ValueError(f"chunk must be a positive multiple of 16, got {chunk}")
         splits = max(1, cdiv(L, chunk))
         if splits > MAX_SPLITS:
             raise ValueError(f"chunk {chunk} splits {L} positions into {splits} > {MAX_SPLITS} blocks")
-        return FusedLaunch(splits, chunk // 16, units, smem)
-    if splits is None:
+        span = chunk // 16
+    elif splits is None:
         wave = fused_blocks_per_sm(D, kv8, smem_per_sm) * sms
         splits = max(1, min(wave // max(units, 1), MAX_SPLITS, cdiv(max(L, 1), 16)))
-    return FusedLaunch(splits, 0, units, smem)
+    cluster = False
+    if max_clusters is not None and 1 < splits <= CLUSTER_MAX:
+        fixed = span > 0 or forced
+        fit = next((s for s in ([splits] if fixed else range(splits, 1, -1)) if max_clusters(s) >= units), None)
+        if fit is not None:
+            splits, cluster = fit, True
+    return FusedLaunch(splits, span, units, smem, cluster=cluster)
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
@@ -196,8 +218,14 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
     groups = cdiv(H // Hkv, SLOTS)
     if B * Hkv * groups > 65535:
         raise ValueError(f"batch {B} x {Hkv} kv heads x {groups} head groups exceeds the grid's 65535 units")
+    name, units = f"attn_fused_d{D}{'_kv8' if kv8 else ''}", B * Hkv * groups
+    max_clusters = None
+    if CLUSTERS and units > 0 and build.has_clusters(q.device.index or 0):
+        fn_cl = build.get_function("attention_decode.cu", name + "_cl", SIGNATURE)
+        smem = fused_smem_bytes(D, kv8)
+        max_clusters = lambda s: fn_cl.max_active_clusters((s, units), (FUSED_THREADS,), smem, (s, 1, 1))  # noqa: E731
     launch = fused_launch(L, B, Hkv, groups, D, kv8, sm_count(q.device.index), _smem_per_sm(q.device), chunk,
-                          splits)
+                          splits, max_clusters)
     with build.on_stream():
         # the dynamic quantization reads a row of out back with 16-byte loads
         out = out_or_new(out, (B, H, D), torch.float16, q, "out", align=16 if quant else 2)
@@ -208,14 +236,16 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
             return out, q_out, a_scale
         counts = counters.counters(COUNTER_POOL, q.device, launch.units + B)
         S = launch.splits
-        part_o = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
-        part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
-        name = f"attn_fused_d{D}{'_kv8' if kv8 else ''}"
-        fn = build.get_function("attention_decode.cu", name, "PPPPPPPPPPPPPPPiiiiiif")
+        part_o = part_ml = None  # a cluster combines in distributed shared memory
+        if not launch.cluster:
+            part_o = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
+            part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
+        fn = build.get_function("attention_decode.cu", name + ("_cl" if launch.cluster else ""), SIGNATURE)
         fn((S, launch.units), (FUSED_THREADS,), out, q_out if quant else None, a_scale if quant else None,
            static_amax if quant else None, part_o, part_ml, counts, None if rope else q, q if rope else None,
            cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S, launch.span_tiles,
-           cos_sin.shape[0] if rope else 0, math.log2(math.e) / math.sqrt(D), shared=launch.smem)
+           cos_sin.shape[0] if rope else 0, math.log2(math.e) / math.sqrt(D), shared=launch.smem,
+           cluster=(S, 1, 1) if launch.cluster else None)
     return out, q_out, a_scale
 
 

@@ -148,6 +148,11 @@ def has_wgmma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+def has_clusters(device_index: int) -> bool:
+    """Whether the GPU runs thread-block clusters and distributed shared memory: sm_90 and later."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _gencode(arch: str) -> str:
     return f"-gencode=arch=compute_{arch[3:]},code={arch}"
 
@@ -292,8 +297,10 @@ class KernelFunction:
         self.name = name
         self.signature = signature
         self._cubin = cubin  # loaded a second time by launch_ex for programmatic launches
-        self._ex = None  # launch_ex.ProgrammaticLauncher, made on the first programmatic launch
+        self._ex = None  # launch_ex.ExLauncher, made on the first programmatic or cluster launch
+        self._ex_large_clusters = False
         self.programmatic_launches = 0
+        self.cluster_launches = 0
         self._stream = stream()
         self._stream_handle = int(self._stream.handle)
         self._max_dynamic_shared = STATIC_SHARED_LIMIT
@@ -309,7 +316,9 @@ class KernelFunction:
                 "local_bytes": self._fn.get_attribute(attr.LOCAL_SIZE_BYTES),
                 "shared_bytes": self._fn.get_attribute(attr.SHARED_SIZE_BYTES)}
 
-    def __call__(self, grid: tuple, block: tuple, *args, shared: int = 0) -> None:
+    def __call__(self, grid: tuple, block: tuple, *args, shared: int = 0, cluster: tuple | None = None) -> None:
+        """cluster: thread-block cluster dimensions (each must divide the grid's), launched through
+        cuLaunchKernelEx (launch_ex.py) since cuLaunchKernel has no way to pass them; needs sm_90."""
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments ({self.signature}), got {len(args)}")
         if torch.cuda.current_stream().cuda_stream != self._stream_handle:
@@ -321,8 +330,10 @@ class KernelFunction:
             self._fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
             self._max_dynamic_shared = shared
         try:
-            if programmatic_active():
-                self._launch_ex(_dim3(grid), _dim3(block), packed, shared)
+            pdl = programmatic_active()
+            if pdl or cluster is not None:
+                self._launch_ex(_dim3(grid), _dim3(block), packed, shared, pdl,
+                                None if cluster is None else _dim3(cluster))
             else:
                 self._fn.prepared_async_call(_dim3(grid), _dim3(block), self._stream, *packed, shared_size=shared)
             if self._sync_each:
@@ -332,17 +343,39 @@ class KernelFunction:
         except Exception as e:  # pycuda.driver.LaunchError / LogicError
             raise DeviceError(f"kernel {self.name} grid={grid} block={block}: {_one_line(e)}") from None
 
-    def _launch_ex(self, grid: tuple[int, int, int], block: tuple[int, int, int], packed: list, shared: int) -> None:
+    def _prepare_ex(self, shared: int, cluster: tuple[int, int, int] | None):
+        """The cuLaunchKernelEx launcher, its function handle given the shared memory and cluster size asked."""
         from kernels_cu import launch_ex
 
         if self._ex is None:
-            self._ex = launch_ex.ProgrammaticLauncher(launch_ex.load_function(self._cubin, self.name),
-                                                      self.name, self.signature)
+            self._ex = launch_ex.ExLauncher(launch_ex.load_function(self._cubin, self.name), self.name,
+                                            self.signature)
         if shared > self._ex_max_dynamic_shared:  # the attribute belongs to each function handle
             launch_ex.set_max_dynamic_shared(self._ex.fn, shared)
             self._ex_max_dynamic_shared = shared
-        self._ex(grid, block, self._stream_handle, shared, packed)
-        self.programmatic_launches += 1
+        if cluster is not None and cluster[0] * cluster[1] * cluster[2] > launch_ex.PORTABLE_CLUSTER \
+                and not self._ex_large_clusters:
+            launch_ex.allow_large_clusters(self._ex.fn)
+            self._ex_large_clusters = True
+        return self._ex
+
+    def _launch_ex(self, grid: tuple[int, int, int], block: tuple[int, int, int], packed: list, shared: int,
+                   pdl: bool, cluster: tuple[int, int, int] | None) -> None:
+        self._prepare_ex(shared, cluster)(grid, block, self._stream_handle, shared, packed, pdl, cluster)
+        self.programmatic_launches += pdl
+        self.cluster_launches += cluster is not None
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 (a few launch shapes per kernel, kernels live for the process)
+    def max_active_clusters(self, grid: tuple, block: tuple, shared: int, cluster: tuple) -> int:
+        """How many clusters of this launch shape the GPU holds at once (cuOccupancyMaxActiveClusters)."""
+        from kernels_cu import launch_ex
+
+        grid, block, cluster = _dim3(grid), _dim3(block), _dim3(cluster)
+        fn = self._prepare_ex(shared, cluster).fn
+        try:
+            return launch_ex.max_active_clusters(fn, grid, block, shared, cluster)
+        except DeviceError as e:
+            raise DeviceError(f"kernel {self.name}: {e}") from None
 
     @property
     def num_regs(self) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from kernels_cu import build
 from kernels_cu.attention_decode import (FUSED_PH_STRIDE, FUSED_STAGE, FUSED_STATIC_SMEM, FUSED_WARPS, MAX_SPLITS,
-                                         fused_launch, fused_smem_bytes)
+                                         FusedLaunch, fused_launch, fused_smem_bytes)
 from kernels_cu.rope_kv import rope_kv_ref, rope_table
 from tests.test_kernel_fragments import h2, i8x4_to_h2x2, mma_f16, prmt, u32, words_of
 
@@ -80,6 +80,25 @@ def test_launch_geometry():
     assert fused_launch(10 ** 6, 1, 1, 1, 64, True, 132, smem_sm).splits == MAX_SPLITS
     with pytest.raises(ValueError):
         fused_launch(100, 1, 1, 1, 64, False, 132, smem_sm, chunk=24)
+
+
+def test_cluster_choice():
+    """A unit becomes one thread-block cluster where it has 2-16 blocks, with S lowered until every cluster fits
+    in one wave; a fixed chunk keeps its S or stays off clusters."""
+    smem_sm = 228 * 1024
+    h200 = {12: 30, 11: 30, 10: 32, 9: 39, 8: 45, 3: 132, 2: 198}.get  # measured: d128 fp16, load balancing
+    one = fused_launch(4097, 1, 32, 1, 128, False, 132, smem_sm, max_clusters=h200)
+    assert (one.splits, one.cluster) == (10, True)  # 7B batch 1: 12 splits would need 32 of 30 clusters
+    assert fused_launch(4097, 1, 32, 1, 128, False, 132, smem_sm) == FusedLaunch(12, 0, 32, 71168)
+    assert not fused_launch(4097, 1, 8, 1, 128, False, 132, smem_sm, max_clusters=h200).cluster  # 49 splits
+    assert not fused_launch(1030, 64, 32, 1, 128, False, 132, smem_sm, max_clusters=h200).cluster  # one block
+    assert fused_launch(4097, 4, 32, 1, 128, False, 132, smem_sm, max_clusters=h200) == FusedLaunch(3, 0, 128, 71168, True)
+    assert not fused_launch(4097, 1, 32, 1, 128, False, 132, smem_sm, max_clusters=lambda s: 31).cluster  # none fit
+    fixed = fused_launch(1500, 1, 32, 1, 128, False, 132, smem_sm, chunk=128, max_clusters=h200)
+    assert (fixed.splits, fixed.cluster) == (12, False)  # the chunk fixes S = 12, whose clusters do not fit
+    assert fused_launch(1500, 1, 4, 1, 128, False, 132, smem_sm, chunk=128, max_clusters=h200).cluster  # 4 units
+    with pytest.raises(ValueError):
+        FusedLaunch(17, 0, 1, 1024, cluster=True)
 
 
 # ---------------------------------------------------------------- one warp's tile, lane by lane
@@ -340,7 +359,7 @@ def test_rope_query_lanes_give_rope_kv_q(D, kv8):
 
 # ---------------------------------------------------------------- ptxas report
 
-FUSED_ENTRIES = [f"attn_fused_d{d}{s}" for d in (64, 128) for s in ("", "_kv8")]
+FUSED_ENTRIES = [f"attn_fused_d{d}{s}{c}" for d in (64, 128) for s in ("", "_kv8") for c in ("", "_cl")]
 
 
 @pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
@@ -361,4 +380,4 @@ def test_fused_entries_compile_without_spills(tmp_path):
         regs = int(re.search(r"Used (\d+) registers", text).group(1))
         smem = int(re.search(r"(\d+) bytes smem", text).group(1))
         assert smem <= FUSED_STATIC_SMEM, (name, smem)
-        assert regs <= (168 if name == "attn_fused_d128" else 128), (name, regs)  # 3 (4) blocks per SM
+        assert regs <= (168 if name.startswith("attn_fused_d128") and "kv8" not in name else 128), (name, regs)  # 3 (4) per SM

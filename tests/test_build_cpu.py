@@ -248,3 +248,23 @@ def test_engine_ab_switches_one_option_and_drops_the_graphs():
     proc = subprocess.run([sys.executable, "-m", "kernels_cu.engine_ab", "--switch", "no_such_field"], cwd=REPO,
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown EngineConfig field 'no_such_field'" in proc.stderr
+
+
+def test_engine_ab_switches_a_module_boolean(monkeypatch):
+    """`--switch attention_decode.CLUSTERS`: a launcher's module-level boolean, set and the graphs dropped;
+    a missing or non-boolean attribute is refused with one line."""
+    from types import SimpleNamespace
+
+    from kernels_cu import attention_decode
+    from kernels_cu.engine_ab import check_switch, set_option
+
+    monkeypatch.setattr(attention_decode, "CLUSTERS", True)
+    cache = SimpleNamespace(graphs={"sampled": object()})
+    engine = SimpleNamespace(cfg=None, _caches={(1, False): cache})
+    set_option(engine, "attention_decode.CLUSTERS", False)
+    assert attention_decode.CLUSTERS is False and cache.graphs == {} and engine.cfg is None
+    check_switch("attention_decode.CLUSTERS", set())
+    for bad, msg in [("attention_decode.NOPE", "no kernels_cu.attention_decode.NOPE"),
+                     ("attention_decode.MAX_SPLITS", "is not a boolean")]:
+        with pytest.raises(SystemExit, match=msg):
+            check_switch(bad, set())

@@ -103,7 +103,7 @@ def test_launcher_fills_config_attribute_and_argument_buffer(monkeypatch):
             return 0
 
     monkeypatch.setattr(launch_ex, "_lib", lambda: FakeDriver())
-    launch = launch_ex.ProgrammaticLauncher(0xF00, "k", "PiPf")
+    launch = launch_ex.ExLauncher(0xF00, "k", "PiPf")
     launch((3, 2, 1), (128, 1, 1), 0xABC, 4096, [0x1000, 7, 0x2000, 0.5])
     launch((5, 1, 1), (256, 1, 1), 0xABC, 0, [0x3000, -1, 0, 2.0])  # buffers are refilled, not appended
     first, second = seen
@@ -113,3 +113,26 @@ def test_launcher_fills_config_attribute_and_argument_buffer(monkeypatch):
     assert first["keys"] == (launch_ex.CU_LAUNCH_PARAM_BUFFER_POINTER, launch_ex.CU_LAUNCH_PARAM_BUFFER_SIZE, None)
     assert first["args"] == struct.pack("@PiPf", 0x1000, 7, 0x2000, 0.5)
     assert second["grid"] == (5, 1, 1) and second["args"] == struct.pack("@PiPf", 0x3000, -1, 0, 2.0)
+
+
+def test_launcher_passes_cluster_dimensions_with_or_without_pdl(monkeypatch):
+    seen = []
+
+    class FakeDriver:
+        def cuLaunchKernelEx(self, cfg_ref, fn, params, extra):
+            cfg = cfg_ref._obj
+            seen.append([(cfg.attrs[i].id, cfg.attrs[i].value, cfg.attrs[i].y, cfg.attrs[i].z)
+                         for i in range(cfg.numAttrs)])
+            return 0
+
+    monkeypatch.setattr(launch_ex, "_lib", lambda: FakeDriver())
+    launch = launch_ex.ExLauncher(0xF00, "k", "Pi")
+    launch((12, 32, 1), (128, 1, 1), 0, 0, [0, 1], programmatic=False, cluster=(12, 1, 1))
+    launch((12, 32, 1), (128, 1, 1), 0, 0, [0, 1], programmatic=True, cluster=(12, 1, 1))
+    launch((12, 32, 1), (128, 1, 1), 0, 0, [0, 1])  # the attribute slots are rewritten, not left over
+    pdl, cl = launch_ex.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, launch_ex.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    bal = (launch_ex.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE, 2, 0, 0)  # load balancing
+    assert seen == [[(cl, 12, 1, 1), bal], [(pdl, 1, 0, 0), (cl, 12, 1, 1), bal], [(pdl, 1, 0, 0)]]
+    # cuda.h: CUlaunchAttributeValue.clusterDim is {x, y, z} at the start of the union
+    A = launch_ex.LaunchAttribute
+    assert (A.value.offset, A.y.offset, A.z.offset) == (8, 12, 16)

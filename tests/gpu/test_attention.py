@@ -473,3 +473,79 @@ def test_prefill_last_query_equals_decode():
     pre = attention_prefill(q, k, v, row=0, start=700)  # positions 700 .. 739
     dec = attention_decode(q[-1:].contiguous(), k, v, torch.tensor([740], dtype=torch.int32, device="cuda"))
     check(dec[0], pre[-1], "decode vs prefill")
+
+
+# ---------------------------------------------------------------- cluster combine (the `_cl` entries)
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and build.has_clusters(torch.cuda.current_device())),
+                    reason="thread-block clusters need sm_90")
+@pytest.mark.parametrize("variant", ["plain", "dynamic", "static"])
+@pytest.mark.parametrize("D,int8,H,Hkv,lengths", [
+    (128, False, 32, 32, [576]),              # LLaMA-2-7B batch 1: 12 splits, one cluster per head
+    (128, True, 32, 32, [577]),
+    (64, False, 64, 4, [1, 3000, 0, 1499]),   # GQA 16 (two head groups), an empty row, n_act from 1 to S
+    (64, True, 36, 12, [17, 1024, 33]),       # GQA 3
+    (128, False, 32, 8, [2049, 16, 700]),     # GQA 4
+])
+def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, lengths, monkeypatch):
+    """The cluster entries combine the same partials in the same order: at the split count the launcher picks
+    for clusters, out (and q_out, a_scale) bit for bit the workspace path's, in RoPE mode too (caches
+    included), counters back at zero."""
+    B, L = len(lengths), max(lengths) + 5
+    amax = torch.tensor([2.5], device="cuda") if variant == "static" else None
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    k, v, ks, vs = make_cache(B, Hkv, L, D, lens.cpu(), int8, seed=D + H)
+    q = randn(B, H, D, seed=7)
+    case = RopeCase(H, Hkv, D, L, lengths, int8, seed=B * D + H)
+    quant = variant != "plain"
+    S = None
+
+    def run(clusters: bool, rope: bool):
+        monkeypatch.setattr(ad, "CLUSTERS", clusters)
+        out = torch.empty(B, H, D, dtype=torch.float16, device="cuda")
+        poison(out)
+        if rope:  # each path on its own copy of the caches
+            kc, vc, ksc, vsc = case.new if clusters else case.old
+            got = ad._launch_fused(case.qkv, kc, vc, case.lengths, ksc, vsc, out, None, quant, static_amax=amax,
+                                   splits=S, cos_sin=case.cos_sin, n_heads=H)
+        else:
+            got = ad._launch_fused(q, k, v, lens, ks, vs, out, None, quant, static_amax=amax, splits=S)
+        return got if quant else got[:1]
+
+    cl_fn = build.get_function("attention_decode.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
+    before = cl_fn.cluster_launches
+    groups = -(-(H // Hkv) // ad.SLOTS)
+    S = ad.fused_launch(L, B, Hkv, groups, D, int8, ad.sm_count(0), ad._smem_per_sm(torch.device("cuda")),
+                        max_clusters=lambda s: cl_fn.max_active_clusters((s, B * Hkv * groups), (ad.FUSED_THREADS,),
+                                                                         ad.fused_smem_bytes(D, int8), (s, 1, 1))).splits
+    for rope in (False, True):
+        what = f"{variant} D={D} int8={int8} H={H} Hkv={Hkv} lengths={lengths} rope={rope} S={S}"
+        got, want = run(True, rope), run(False, rope)
+        assert bool(torch.isfinite(got[0]).all()), what
+        assert_same(got, want, what)
+        if rope:
+            case.assert_caches_equal(what)
+        counters_are_zero()
+    assert cl_fn.cluster_launches == before + 2, "the cluster entry did not run"
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and build.has_clusters(torch.cuda.current_device())),
+                    reason="thread-block clusters need sm_90")
+@pytest.mark.parametrize("B,D,int8", [(1, 128, False), (1, 128, True), (2, 128, False), (4, 64, True)])
+def test_cluster_grid_fits_in_one_wave(B, D, int8):
+    """LLaMA-2-7B-like heads: the launcher's S keeps every unit's cluster resident at once (the GPU's own count)."""
+    H = Hkv = 32
+    L = 4097
+    fn = build.get_function("attention_decode.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
+    smem = ad.fused_smem_bytes(D, int8)
+    units = B * Hkv
+
+    def fits(s):
+        return fn.max_active_clusters((s, units), (ad.FUSED_THREADS,), smem, (s, 1, 1))
+    launch = ad.fused_launch(L, B, Hkv, 1, D, int8, ad.sm_count(0), ad._smem_per_sm(torch.device("cuda")),
+                             max_clusters=fits)
+    assert launch.cluster and 2 <= launch.splits <= ad.CLUSTER_MAX, launch
+    assert fits(launch.splits) >= units
+    out, ref = run_decode(B, H, Hkv, D, L=L, max_len=L - 1, int8=int8, seed=B + D)
+    check(out, ref, f"B={B} D={D} int8={int8} S={launch.splits}")
+    counters_are_zero()
