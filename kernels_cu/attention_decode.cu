@@ -276,7 +276,8 @@ extern "C" __global__ void __launch_bounds__(128)
 //   counters int32 [units + B], zero before the first launch, zero again after every launch.
 // *_cl entries (CL): the same kernel launched in thread-block clusters of S blocks (cluster dims (S, 1, 1), S
 //   <= 16), one cluster per unit, for the small-batch grids where a unit has several blocks (LLaMA-2-7B at
-//   batch 1: S = 12). Step 3 then needs no global round trips: each block leaves its (O, m, l) in its own
+//   batch 1: S = 10, the most whose 32 clusters are all resident at once; attention_decode.py picks S).
+//   Step 3 then needs no global round trips: each block leaves its (O, m, l) in its own
 //   shared memory, the cluster meets at a barrier (release / acquire), block 0 reads the partials through
 //   distributed shared memory (ld.shared::cluster) and combines them in split order (the same arithmetic as
 //   the workspace path, so the same bits), and a second barrier keeps every block's shared memory alive until
