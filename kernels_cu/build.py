@@ -301,7 +301,6 @@ class KernelFunction:
         self._ex_large_clusters = False
         self.programmatic_launches = 0
         self.cluster_launches = 0
-        self.launches = 0  # every launch (eager, or recorded into a graph)
         self._stream = stream()
         self._stream_handle = int(self._stream.handle)
         self._max_dynamic_shared = STATIC_SHARED_LIMIT
@@ -326,7 +325,6 @@ class KernelFunction:
             # A launch off torch's current stream would race with the torch ops that made its inputs.
             raise RuntimeError(f"{self.name}: launch inside `with kernels_cu.build.on_stream():`")
         packed = [_pack_arg(code, a, self.name, i) for i, (code, a) in enumerate(zip(self.signature, args))]
-        self.launches += 1
         if shared > self._max_dynamic_shared:
             import pycuda.driver as drv
             self._fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
@@ -376,16 +374,6 @@ class KernelFunction:
         fn = self._prepare_ex(shared, cluster).fn
         try:
             return launch_ex.max_active_clusters(fn, grid, block, shared, cluster)
-        except DeviceError as e:
-            raise DeviceError(f"kernel {self.name}: {e}") from None
-
-    @functools.lru_cache(maxsize=16)  # noqa: B019 (as max_active_clusters)
-    def max_active_blocks(self, threads: int, shared: int = 0) -> int:
-        """How many blocks of `threads` threads one SM holds at once (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
-        from kernels_cu import launch_ex
-
-        try:
-            return launch_ex.max_active_blocks(self._prepare_ex(shared, None).fn, threads, shared)
         except DeviceError as e:
             raise DeviceError(f"kernel {self.name}: {e}") from None
 

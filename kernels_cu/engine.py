@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_cu import awq_chain, build, norm_fold
+from kernels_cu import build, norm_fold
 from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_rope,
                                          attention_decode_rope_quant)
 from kernels_cu.attention_prefill import attention_prefill
@@ -232,7 +232,6 @@ class EngineConfig:
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
     fold_norms: bool = True  # small-batch decode (fp16, AWQ: FOLD_MAX_ROWS): RMSNorms deferred into the GEMVs
     fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
-    chain_gemvs: bool = False  # folded AWQ decode: o_proj .. next q|k|v as one persistent kernel (awq_chain.py; slower)
 
 
 class Engine:
@@ -361,37 +360,18 @@ class Engine:
             return False
         return all(op.folds(m) for l in self.layers for op in (l.qkv, l.o, l.gate_up, l.down))
 
-    def _chains(self, m: int) -> bool:
-        """Whether a folded decode step of m rows runs each layer's o_proj .. next q|k|v as one persistent kernel
-        (awq_chain.py): AWQ in the GEMV layout with groups of 128, up to 8 rows."""
-        if not self.cfg.chain_gemvs or self.scheme != "awq" or not self._folds(m):
-            return False
-        return all(isinstance(op, AwqOp) and op.packed is not None and awq_chain.takes(m, [op.packed])
-                   for l in self.layers for op in (l.qkv, l.o, l.gate_up, l.down))
-
-    def _layer(self, i: int, h: torch.Tensor, cache: GpuCache, attend, fold: FoldOut | None = None,
-               qkv: torch.Tensor | None = None,
-               chain: bool = False) -> tuple[torch.Tensor, FoldOut | None, torch.Tensor | None]:
-        """h [T, H] fp16 -> (h [T, H], fold, next qkv); attend(i, qkv [T, (nh + 2 nkv) d]) -> [T, nh * d] (RoPE,
-        the K/V cache write and attention: one kernel in decode, rope_kv + SDPA in prefill).
+    def _layer(self, i: int, h: torch.Tensor, cache: GpuCache, attend,
+               fold: FoldOut | None = None) -> tuple[torch.Tensor, FoldOut | None]:
+        """h [T, H] fp16 -> (h [T, H], fold); attend(i, qkv [T, (nh + 2 nkv) d]) -> [T, nh * d] (RoPE, the
+        K/V cache write and attention: one kernel in decode, rope_kv + SDPA in prefill).
 
         fold: h's deferred attn_norm (a folded decode step, norm_fold.py). The layer then defers its ffn_norm
-        too and returns the norm deferred after it (the next layer's attn_norm, or the final norm).
-        chain (folded steps where `_chains`): o_proj .. down_proj and the next layer's q|k|v run as one kernel,
-        which returns that q|k|v; the next layer takes it as `qkv` instead of computing it."""
+        too and returns the norm deferred after it (the next layer's attn_norm, or the final norm)."""
         c, L = self.config, self.layers[i]
         T = h.shape[0]
-        if qkv is None:
-            x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
-            qkv = L.qkv(x, fold_in=fold_in)  # [T, (nh + 2 nkv) d]
+        x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
+        qkv = L.qkv(x, fold_in=fold_in)  # [T, (nh + 2 nkv) d]
         o = attend(i, qkv)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
-        if chain:
-            after = self.layers[i + 1] if i + 1 < c.n_layers else None
-            ffn = FoldOut.new(L.ffn_norm, T)
-            nxt = FoldOut.new(after.attn_norm if after is not None else self.norm, T)
-            out = awq_chain.awq_chain(o, h, L.o.packed, L.gate_up.packed, L.down.packed, ffn, nxt, c.norm_eps,
-                                      after.qkv.packed if after is not None else None)
-            return out.h2, nxt, out.qkv
         if L.o.int8 and not isinstance(o, tuple):
             o = quantize(o, L.o.amax)
         ffn = FoldOut.new(L.ffn_norm, T) if fold is not None else None
@@ -405,7 +385,7 @@ class Engine:
         nxt = None
         if fold is not None:
             nxt = FoldOut.new(self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm, T)
-        return L.down(a, residual=h, fold_out=nxt), nxt, None  # [T, H]
+        return L.down(a, residual=h, fold_out=nxt), nxt  # [T, H]
 
     def _rope(self, i: int, qkv: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, cache: GpuCache) -> torch.Tensor:
         """RoPE on q and k of qkv, k and v written to layer i's cache at (row, pos): the rotated q [T, nh, d]."""
@@ -453,7 +433,7 @@ class Engine:
                 return (outs[0] if B == 1 else torch.cat(outs)).reshape(B * S, c.q_size)  # no copy for one row
 
             for i in range(c.n_layers):
-                h, _, _ = self._layer(i, h, cache, attend)
+                h, _ = self._layer(i, h, cache, attend)
             logits = self._logits(h).float().reshape(B, S, -1)  # [B, S, V]
             idx = torch.tensor(rows, device=dev)
             cache.lengths[idx] += S
@@ -527,9 +507,8 @@ class Engine:
                 return attention_decode_quant(q, k, v, lens, o_op.amax, ks, vs)
             return attention_decode(q, k, v, lens, ks, vs).reshape(-1, c.q_size)
 
-        chain, qkv = self._chains(cache.bucket), None
         for i in range(c.n_layers):
-            h, fold, qkv = self._layer(i, h, cache, attend, fold, qkv, chain)
+            h, fold = self._layer(i, h, cache, attend, fold)
         logits = self._logits(h, fold)  # [Bb, V] fp16
         cache.lengths.add_(st["active"])  # only rows that decoded this step advance
         return logits

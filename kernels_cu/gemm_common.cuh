@@ -98,48 +98,6 @@ __device__ __forceinline__ uint4 ld_cached_always(const void* p) {
     return v;
 }
 
-// Coherent variants (plain ld.global, no .nc) for data another block wrote earlier in the same kernel: the
-// persistent chain (awq_chain.cu) reads each phase's activations, residual and norm sums after a grid
-// barrier, and the non-coherent path is only defined for data that is read-only for the kernel's lifetime.
-__device__ __forceinline__ uint4 ld_coherent(const void* p, bool ok) {
-    uint4 v;
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-        " mov.b32 %0, 0; mov.b32 %1, 0; mov.b32 %2, 0; mov.b32 %3, 0;\n"
-        " @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"((int)ok));
-    return v;
-}
-__device__ __forceinline__ uint4 ld_coherent_always(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-// An activation load: cached, and coherent where the chain needs it (COHERENT is a constant at each site).
-template <bool COHERENT>
-__device__ __forceinline__ uint4 ld_act(const void* p, bool ok) {
-    return COHERENT ? ld_coherent(p, ok) : ld_cached(p, ok);
-}
-template <bool COHERENT>
-__device__ __forceinline__ uint4 ld_act_always(const void* p) {
-    return COHERENT ? ld_coherent_always(p) : ld_cached_always(p);
-}
-template <bool COHERENT>
-__device__ __forceinline__ __half ld_act_h(const __half* p) {
-    if (!COHERENT) return *p;
-    unsigned short v;
-    asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
-    return __ushort_as_half(v);
-}
-template <bool COHERENT>
-__device__ __forceinline__ float4 ld_act_f4(const float* p) {
-    if (!COHERENT) return __ldg(reinterpret_cast<const float4*>(p));
-    float4 v;
-    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-    return v;
-}
-
 // cp.async: 16 bytes global -> shared without a register round trip, so a warp keeps several tiles in
 // flight while it computes. .cg skips L1 (weights are read once); src-size 0 writes zeros (ok false).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {

@@ -135,17 +135,6 @@ def max_active_clusters(fn: int, grid: tuple[int, int, int], block: tuple[int, i
     return out.value
 
 
-def max_active_blocks(fn: int, threads: int, shared: int) -> int:
-    """cuOccupancyMaxActiveBlocksPerMultiprocessor: how many blocks of `threads` threads one SM holds at once."""
-    lib = _lib()
-    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                                ctypes.c_int, ctypes.c_size_t]
-    out = ctypes.c_int()
-    _check(lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(out), fn, threads, shared),
-           "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    return out.value
-
-
 def allow_large_clusters(fn: int) -> None:
     """Clusters of more than PORTABLE_CLUSTER blocks (up to 16 on H100 / H200) for this function."""
     _check(_lib().cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),

@@ -42,8 +42,7 @@ __device__ __forceinline__ void fold_prefetch(const float* part_in, int m0, int 
 // 256 each of two or more; more registers here pushed the 16-token fp16 GEMV from 106 to 140, one resident
 // block instead of two). A fixed summation order (lane sums, then the butterfly): every block gets the same
 // bits. rsqrtf, not rmsnorm.cu's correctly rounded ops: the fold is not bitwise the unfolded path anyway.
-// COHERENT: the sums through plain loads (the persistent chain, whose producer phase wrote them in the same kernel).
-template <int WARPS, int TPW, bool COHERENT = false>
+template <int WARPS, int TPW>
 __device__ __forceinline__ void fold_rstd(float* s_rstd, const float* __restrict__ part_in, int m0, int rows, int P,
                                           int K, float eps) {
     constexpr int V = TPW == 1 ? 4 : 2;
@@ -61,7 +60,7 @@ __device__ __forceinline__ void fold_rstd(float* s_rstd, const float* __restrict
 #pragma unroll
             for (int i = 0; i < V; ++i) {
                 const int c = c0 + 4 * lane + 128 * i;
-                v[t][i] = j < rows && c < P ? ld_act_f4<COHERENT>(src + c) : make_float4(0, 0, 0, 0);
+                v[t][i] = j < rows && c < P ? __ldg(reinterpret_cast<const float4*>(src + c)) : make_float4(0, 0, 0, 0);
             }
         }
 #pragma unroll
@@ -83,7 +82,6 @@ __device__ __forceinline__ void fold_rstd(float* s_rstd, const float* __restrict
 // plain residual epilogue writes it; then xg, and the panel's sum of squares from the lane with g = 0.
 // w: the norm weight of channels n, n + 8, loaded before the main loop (weights do not wait for the
 // previous kernel; loaded here they cost every block a round trip to L2 in its tail).
-template <bool COHERENT = false>  // the residual through a plain load (see fold_rstd)
 __device__ __forceinline__ void fold_store(__half* __restrict__ y, __half* __restrict__ xg, float* __restrict__ part,
                                            const __half* __restrict__ residual, __half2 w,
                                            float s_lo, float s_hi, int m, int M, int N, int n, int panel) {
@@ -93,7 +91,7 @@ __device__ __forceinline__ void fold_store(__half* __restrict__ y, __half* __res
         for (int h = 0; h < 2; ++h) {
             const int c = n + 8 * h;
             const size_t o = (size_t)m * N + c;
-            const __half v = __hadd_rn(__float2half_rn(h ? s_hi : s_lo), ld_act_h<COHERENT>(residual + o));
+            const __half v = __hadd_rn(__float2half_rn(h ? s_hi : s_lo), residual[o]);
             y[o] = v;
             xg[o] = __hmul_rn(v, h ? __high2half(w) : __low2half(w));
             const float f = __half2float(v);

@@ -42,7 +42,6 @@ for step in "$@"; do
     ab)  # one engine per scheme, an EngineConfig switch on / off alternated (kernels_cu/engine_ab.py)
       timeout 500 python -m kernels_cu.engine_ab --switch ${AB_SWITCH:-fold_norms} --scheme ${AB_SCHEMES:-awq,fp16} \
         --batch ${AB_BATCH:-1,8} --rounds ${AB_ROUNDS:-2} 2>&1 | tail -n 12 ;;
-    chain) timeout 240 python -m pytest -m gpu tests/gpu/test_awq_chain.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
     engine) timeout 300 python -m pytest -m gpu tests/gpu/test_engine.py -q -p no:cacheprovider -rf 2>&1 | tail -n 40 ;;
     e2e)  # real SmolLM2 layers (a slice, see smollm2_slice.py): quantize on the CPU, run on the GPU
       src=.gpu-data/smollm2-8l.gguf

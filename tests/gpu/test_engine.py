@@ -39,8 +39,8 @@ def checkpoint(config: LlamaConfig, scheme: str, seed: int = 0) -> ModelWeights:
         lin = {}
         for attr, dense in layer.linears().items():
             W = dense.dense_weight().float()
-            if scheme.startswith("awq"):  # "awq": groups of 64, "awq-g128": of 128 (the AWQ chain's)
-                lin[attr] = AwqLinear.from_dense(W, 128 if scheme == "awq-g128" else 64)
+            if scheme == "awq":
+                lin[attr] = AwqLinear.from_dense(W, 64)
             else:
                 static = scheme == "int8-static"
                 lin[attr] = Int8Linear.from_dense(W, ActQuant.STATIC if static else ActQuant.DYNAMIC,
