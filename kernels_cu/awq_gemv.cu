@@ -109,6 +109,22 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         }
     };
     auto compute = [&](const Step& c, const uint4 (&xv)[U][MT][4]) {
+#ifdef FLLAMA_AWQ_TIMING_NO_MATH
+        // Timing probe only (wrong results): every load of the kernel as it is, consumed, without the math: the
+        // ceiling of this load pattern and grid (docs/gpu.md step 13: LLaMA-2-7B's gate|up 91% of the copy
+        // bandwidth loads-only against 72% with the math, o_proj 54% against 45%).
+        uint32_t v = 0;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            v ^= c.w[u][0].x ^ c.w[u][0].y ^ c.w[u][0].z ^ c.w[u][0].w ^ c.w[u][1].x ^ c.w[u][1].y ^ c.w[u][1].z ^
+                 c.w[u][1].w ^ c.tm[u][0].x ^ c.tm[u][0].y;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v ^= xv[u][mt][i].x ^ xv[u][mt][i].w;
+        }
+        acc[0][0] += (float)(v & 1);
+#else
 #pragma unroll
         for (int u = 0; u < U; ++u) {
 #pragma unroll
@@ -133,6 +149,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
                 awq_scale_add(acc, tmp, tm);
             }
         }
+#endif
     };
     // x offset of load i of a tile (from the lane's run start): group run i / UPG, 16-byte piece i % UPG
     auto x_off = [](int i) { return (i / UPG) * GS + (i % UPG) * 8; };

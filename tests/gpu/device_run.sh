@@ -29,6 +29,9 @@ for step in "$@"; do
     microprefill) timeout 200 python -m kernels_cu.microbench --only prefill,dequant --prefill-ms ${PREFILL_MS:-2048} 2>&1 | tail -n 30 ;;
     microawq) timeout 200 python -m kernels_cu.microbench --only awq --ms 1,8,16,32 2>&1 | tail -n 40 ;;
     microdq) timeout 100 python -m kernels_cu.microbench --only dequant 2>&1 | tail -n 10 ;;
+    probeawq)  # the AWQ decode GEMVs with their math and loads-only (-DFLLAMA_AWQ_TIMING_NO_MATH): what the load pattern allows
+      for f in -DFLLAMA_AWQ_TIMING_NO_MATH ""; do echo "== ${f:-with the math}"
+        FLLAMA_NVCC_FLAGS="$f" timeout 100 python -m kernels_cu.microbench --only awq --ms 1 2>&1 | grep awq-gemv | head -n 4; done ;;
     microl2) timeout 100 python -m kernels_cu.microbench --only l2 2>&1 | tail -n 26 ;;  # decode GEMVs cold vs L2-resident
     prefillawq) timeout 200 python -m fllama_cli.main bench --model llama2-7b --random --scheme fp16,awq \
         --batch 1 --prompt-len 2048 --gen-len 32 --repeat 5 --baseline none 2>&1 | grep -E "fp16|awq" | tail -n 4 ;;
