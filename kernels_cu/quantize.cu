@@ -5,6 +5,8 @@
 //   q = clamp(rint(x * (127 / amax)), -127, 127), amax clamped to >= 1e-8 (IEEE division, no fast math)
 // Entry points quantize_<dyn|static>_nv<NV>(q int8 [T,K], a_scale f32 [T], static_amax f32 [1],
 //                                          x fp16 [T,K], int K)
+// quantize_parts(q int8 [T,K], a_scale f32 [T], part f32 [T,C], x fp16 [T,K], int K): dynamic, with each row's
+// amax the max of C partial maxima a previous kernel wrote (silu_mul_part); grid (C, T), 8 values a thread.
 #include "common.cuh"
 
 using namespace fllama;
@@ -53,3 +55,22 @@ FLLAMA_QUANTIZE_VARIANTS(1)
 FLLAMA_QUANTIZE_VARIANTS(2)
 FLLAMA_QUANTIZE_VARIANTS(4)
 FLLAMA_QUANTIZE_VARIANTS(8)
+
+// A row over C blocks: every thread takes the max of the row's C partial maxima (C is small: L1 broadcasts), which is
+// the row's max exactly, so q and a_scale are the bits quantize_dyn gives on the whole row.
+constexpr int PARTS_THREADS = 128;
+extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
+    quantize_parts(int8_t* __restrict__ q, float* __restrict__ a_scale, const float* __restrict__ part,
+                   const __half* __restrict__ x, int K) {
+    pdl_enter();
+    const size_t row = blockIdx.y;
+    const int C = gridDim.x;
+    const int c = blockIdx.x * PARTS_THREADS + threadIdx.x;
+    Half8 v;
+    if (c < K / 8) v = load_half8(x + row * (size_t)K + 8 * c);  // in flight while the maxima are read
+    float amax = 0.0f;
+    for (int i = 0; i < C; ++i) amax = fmaxf(amax, part[row * C + i]);
+    amax = clamp_amax(amax);
+    if (c < K / 8) quantize_store8(q + row * (size_t)K + 8 * c, v, __fdiv_rn(127.0f, amax));
+    if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = __fdiv_rn(amax, 127.0f);
+}

@@ -54,3 +54,22 @@ def quantize(x: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.
     fn = build.get_function("quantize.cu", f"quantize_{mode}_nv{nv}", "PPPPi")
     fn((T,), (threads,), q, a_scale, static_amax, x, K)
     return q, a_scale
+
+
+PARTS_VALUES = 128 * 8  # quantize_parts: 128 threads of 8 values a block
+
+
+def quantize_parts(x: torch.Tensor, part: torch.Tensor, q: torch.Tensor, a_scale: torch.Tensor) -> None:
+    """Dynamic quantization of fp16 x [T, K] whose row maxima come as C partial maxima part fp32 [T, C], one per
+    PARTS_VALUES values (written by the kernel that made x: silu_mul_part): q int8 [T, K] and a_scale fp32 [T],
+    the bits quantize() gives."""
+    T, K = x.shape
+    C = part.shape[1]
+    if C != -(-K // PARTS_VALUES) or part.shape[0] != T:
+        raise ValueError(f"part must be [{T}, {-(-K // PARTS_VALUES)}] for x [{T}, {K}], got {tuple(part.shape)}")
+    check_tensor(x, "x", torch.float16)
+    check_tensor(part, "part", torch.float32, (T, C), align=4)
+    check_tensor(q, "q", torch.int8, (T, K), align=8)
+    check_tensor(a_scale, "a_scale", torch.float32, (T,), align=4)
+    fn = build.get_function("quantize.cu", "quantize_parts", "PPPPi")
+    fn((C, T), (PARTS_VALUES // 8,), q, a_scale, part, x, K)

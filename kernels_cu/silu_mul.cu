@@ -6,6 +6,9 @@
 //                                               static_amax f32 [1], gate_up fp16 [T,2F], int F)
 // silu_mul_interleaved(out fp16 [M,F], y fp16 [M,2F], int64 n_panels = M*F/8): the same math on swiglu_layout.py's
 // interleaved columns (16-column panels of 8 gate then 8 up channels), one thread per panel.
+// silu_mul_part_<dyn|static>(y fp16 [T,F], part f32 [T,C], q int8 [T,F], a_scale f32 [T], static_amax f32 [1],
+//                            gate_up fp16 [T,2F], int F): the int8 variants for a few rows (silu_mul.py SPLIT_MAX_ROWS),
+// a row over C blocks of PART_VALUES (see silu_mul_part).
 #include "common.cuh"
 
 using namespace fllama;
@@ -80,3 +83,48 @@ extern "C" __global__ void __launch_bounds__(256)
         store_half8(out + 8 * p, v);
     }
 }
+
+// The int8 variants for a few rows. One block per row leaves all but T SMs idle while each thread walks 64 values
+// (LLaMA-2-7B: 8.2 us at one row, H200); here a row is spread over blocks of 128 threads, 8 values each. Dynamic:
+// each block stores its fp16 values and their absmax, and quantize.cu's quantize_parts finishes the row with the
+// max of those maxima, which is the row's max exactly (the same bits as the one-block kernel). Static: the amax is
+// known, so each block quantizes its own values (a_scale from block 0).
+constexpr int PART_THREADS = 128;
+template <int QMODE>
+__device__ __forceinline__ void silu_mul_part(__half* __restrict__ y, float* __restrict__ part, int8_t* __restrict__ q,
+                                              float* __restrict__ a_scale, const float* __restrict__ static_amax,
+                                              const __half* __restrict__ gate_up, int F) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.y;
+    const int c = blockIdx.x * PART_THREADS + threadIdx.x;  // this thread's 16-byte vector of the row
+    const __half* gate = gate_up + row * (size_t)(2 * F);
+    Half8 v;
+    float amax = 0.0f;
+    const bool in = c < F / 8;
+    if (in) {
+        const Half8 g = load_half8(gate + 8 * c);
+        const Half8 u = load_half8(gate + F + 8 * c);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) half8_set(v, i, __hmul_rn(silu_h(half8_get(g, i)), half8_geth(u, i)));
+        amax = half8_absmax(v);
+    }
+    if (QMODE == QUANT_STATIC) {
+        const float a = clamp_amax(*static_amax);
+        if (in) quantize_store8(q + row * (size_t)F + 8 * c, v, __fdiv_rn(127.0f, a));
+        if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = __fdiv_rn(a, 127.0f);
+        return;
+    }
+    if (in) store_half8(y + row * (size_t)F + 8 * c, v);
+    amax = block_max(amax, scratch);
+    if (threadIdx.x == 0) part[row * gridDim.x + blockIdx.x] = amax;
+}
+
+#define FLLAMA_SILU_PART_ENTRY(NAME, QMODE)                                                                 \
+    extern "C" __global__ void __launch_bounds__(PART_THREADS)                                             \
+        silu_mul_part_##NAME(__half* y, float* part, int8_t* q, float* a_scale, const float* static_amax,  \
+                             const __half* gate_up, int F) {                                                \
+        pdl_enter();                                                                                        \
+        silu_mul_part<QMODE>(y, part, q, a_scale, static_amax, gate_up, F);                                 \
+    }
+FLLAMA_SILU_PART_ENTRY(dyn, QUANT_DYNAMIC)
+FLLAMA_SILU_PART_ENTRY(static, QUANT_STATIC)

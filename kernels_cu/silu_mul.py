@@ -10,9 +10,15 @@ import torch.nn.functional as F
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.gemm_shapes import cdiv
-from kernels_cu.quantize import quantize_ref
+from kernels_cu.quantize import quantize_parts, quantize_ref
 
 SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
+PART_SIGNATURE = "PPPPPPi"  # y, part, q, a_scale, static_amax, gate_up, F
+PART_VALUES = 128 * 8  # silu_mul_part: 128 threads of 8 values a block
+# Up to this many rows the int8 variants spread each row over blocks (silu_mul_part + quantize_parts): one block
+# per row left all but T SMs idle (LLaMA-2-7B at one row, H200: 8.2 us; docs/gpu.md step 13). SPLIT: off for A/B runs.
+SPLIT_MAX_ROWS = 64
+SPLIT = True
 INTERLEAVED_SIGNATURE = "PPq"  # out, y, n_panels
 INTERLEAVED_THREADS = 256  # one thread per 16-column panel
 
@@ -57,13 +63,28 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 
 
 def silu_mul_quant(gate_up: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
-                   a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 gate_up [T, 2F] -> (q int8 [T, F], a_scale fp32 [T])."""
+                   a_scale: torch.Tensor | None = None, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 gate_up [T, 2F] -> (q int8 [T, F], a_scale fp32 [T]). split: each row over several blocks (the same
+    bits; by default up to SPLIT_MAX_ROWS rows)."""
     T, F_ = _check(gate_up)
     q = out_or_new(q, (T, F_), torch.int8, gate_up, "q", align=8)
     a_scale = out_or_new(a_scale, (T,), torch.float32, gate_up, "a_scale", align=4)
-    _launch("dyn" if static_amax is None else "static", T, F_, q=q, a_scale=a_scale, static_amax=static_amax,
-            gate_up=gate_up)
+    mode = "dyn" if static_amax is None else "static"
+    if split is None:
+        split = SPLIT and T <= SPLIT_MAX_ROWS
+    if not split or T == 0:
+        _launch(mode, T, F_, q=q, a_scale=a_scale, static_amax=static_amax, gate_up=gate_up)
+        return q, a_scale
+    check_static_amax(static_amax)
+    blocks = cdiv(F_, PART_VALUES)
+    y = part = None
+    if static_amax is None:  # the fp16 values and each block's absmax, for quantize_parts
+        y = torch.empty((T, F_), dtype=torch.float16, device=gate_up.device)  # [T, F]
+        part = torch.empty((T, blocks), dtype=torch.float32, device=gate_up.device)  # [T, C]
+    fn = build.get_function("silu_mul.cu", f"silu_mul_part_{mode}", PART_SIGNATURE)
+    fn((blocks, T), (PART_VALUES // 8,), y, part, q, a_scale, static_amax, gate_up, F_)
+    if static_amax is None:
+        quantize_parts(y, part, q, a_scale)
     return q, a_scale
 
 

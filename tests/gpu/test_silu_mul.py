@@ -9,7 +9,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, po
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu.quantize import quantize_ref  # noqa: E402
+from kernels_cu.quantize import quantize_parts, quantize_ref  # noqa: E402
 from kernels_cu.silu_mul import silu_mul, silu_mul_interleaved, silu_mul_quant, silu_mul_ref  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved  # noqa: E402
 
@@ -31,20 +31,37 @@ def test_silu_mul(T, F):
     compare(out, silu_mul_ref(gate_up, torch.float64), rtol=2e-3, atol=1e-4, what="vs float64")
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("F", FFN)
-@pytest.mark.parametrize("T", TOKENS)
-def test_silu_mul_quant_is_bitwise(T, F, static):
+@pytest.mark.parametrize("F", FFN + [8, 1032])  # + one vector; a second block with one vector (silu_mul_part)
+@pytest.mark.parametrize("T", TOKENS + [100])
+def test_silu_mul_quant_is_bitwise(T, F, static, split):
+    """One block per row or each row over several blocks (silu_mul_part + quantize_parts): quantize_ref's bits
+    both ways, a row of zeros (amax clamped) included."""
     gate_up = randn(T, 2 * F, scale=3.0, seed=F * T + 1)
+    gate_up[T // 2] = 0.0
     y = silu_mul(gate_up)
     amax = (y.float().abs().max() * 0.7).reshape(1) if static else None
     q = torch.empty(T, F, dtype=torch.int8, device="cuda")
     s = torch.empty(T, dtype=torch.float32, device="cuda")
     poison(q, s)
-    silu_mul_quant(gate_up, static_amax=amax, q=q, a_scale=s)
+    silu_mul_quant(gate_up, static_amax=amax, q=q, a_scale=s, split=split)
     q_ref, s_ref = quantize_ref(y, amax)
     assert_equal(q, q_ref, "q")
     assert_equal(s, s_ref, "a_scale")
+
+
+def test_silu_mul_quant_picks_the_split_for_few_rows(monkeypatch):
+    from kernels_cu import silu_mul as mod
+
+    gate_up = randn(mod.SPLIT_MAX_ROWS, 2 * 1536, seed=3)
+    calls = []
+    monkeypatch.setattr(mod, "quantize_parts", lambda *a: calls.append(len(a)) or quantize_parts(*a))
+    silu_mul_quant(gate_up)
+    silu_mul_quant(randn(mod.SPLIT_MAX_ROWS + 1, 2 * 1536, seed=4))
+    monkeypatch.setattr(mod, "SPLIT", False)
+    silu_mul_quant(gate_up)
+    assert calls == [4], calls  # only the first call went through the split
 
 
 @pytest.mark.parametrize("F", INTERLEAVED_F)
