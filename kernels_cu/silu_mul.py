@@ -1,6 +1,7 @@
 """SwiGLU activation (silu_mul.cu): silu(gate) * up from the fused gate|up output, optionally int8-quantized
-(dynamic per token or static per tensor, quantize.quantize_ref's rule) for the down projection; and from a
-product in swiglu_layout.py's interleaved column order (`silu_mul_interleaved`, the fp16 path beyond the GEMV)."""
+(dynamic per token or static per tensor, quantize.quantize_ref's rule) for the down projection, a row spread over
+blocks up to SPLIT_MAX_ROWS rows; and from a product in swiglu_layout.py's interleaved column order
+(`silu_mul_interleaved`, the fp16 path beyond the GEMV)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch.nn.functional as F
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.gemm_shapes import cdiv
-from kernels_cu.quantize import quantize_parts, quantize_ref
+from kernels_cu.quantize import PARTS_VALUES, quantize_parts, quantize_ref
 
 SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
 PART_SIGNATURE = "PPPPPPi"  # y, part, q, a_scale, static_amax, gate_up, F
-PART_VALUES = 128 * 8  # silu_mul_part: 128 threads of 8 values a block
+PART_VALUES = PARTS_VALUES  # silu_mul_part: 128 threads of 8 values a block, the chunk quantize_parts expects
 # Up to this many rows the int8 variants spread each row over blocks (silu_mul_part + quantize_parts): one block
 # per row left all but T SMs idle (LLaMA-2-7B at one row, H200: 8.2 us; docs/gpu.md step 13). SPLIT: off for A/B runs.
 SPLIT_MAX_ROWS = 64

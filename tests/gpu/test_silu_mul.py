@@ -56,12 +56,12 @@ def test_silu_mul_quant_picks_the_split_for_few_rows(monkeypatch):
 
     gate_up = randn(mod.SPLIT_MAX_ROWS, 2 * 1536, seed=3)
     calls = []
-    monkeypatch.setattr(mod, "quantize_parts", lambda *a: calls.append(len(a)) or quantize_parts(*a))
+    monkeypatch.setattr(mod, "quantize_parts", lambda *a: calls.append(tuple(a[0].shape)) or quantize_parts(*a))
     silu_mul_quant(gate_up)
     silu_mul_quant(randn(mod.SPLIT_MAX_ROWS + 1, 2 * 1536, seed=4))
     monkeypatch.setattr(mod, "SPLIT", False)
     silu_mul_quant(gate_up)
-    assert calls == [4], calls  # only the first call went through the split
+    assert calls == [(mod.SPLIT_MAX_ROWS, 1536)], calls  # only the first call went through the split
 
 
 @pytest.mark.parametrize("F", INTERLEAVED_F)
