@@ -41,6 +41,16 @@ __device__ __forceinline__ void awq_a_frag(const uint4 (&w)[2], int j, const Awq
     }
 }
 
+// The same fragment as w_hat = fp16((q - z) * s), the register A operand of awq_wgmma.cu's wgmma: bit for bit
+// awq_w_hat8 (q - z exact, one rounding in the product). s2[h]: row h's scale in both halves.
+__device__ __forceinline__ void awq_a_frag_hat(const uint4 (&w)[2], int j, const AwqTerms& tm,
+                                               const __half2 (&s2)[2], uint32_t (&a)[4]) {
+    uint32_t qz[4];
+    awq_a_frag(w, j, tm, qz);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = h2_bits(__hmul2_rn(bits_h2(qz[r]), s2[r & 1]));
+}
+
 // acc += s * tmp for one group's mma sums of MT token tiles (c0, c1: row g, scale s[0]; c2, c3: row g + 8).
 template <int MT>
 __device__ __forceinline__ void awq_scale_add(float (&acc)[MT][4], const float (&tmp)[MT][4], const AwqTerms& tm) {

@@ -2,44 +2,50 @@
 //   y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)  (calibrate.awq_pack's dequantizer)
 // then the residual (an fp16 add) or SwiGLU of an interleaved gate|up weight, as awq_gemv.cu's epilogues.
 //
-// Why: the prefill path writes w_hat (13.5 GB of fp16 for LLaMA-2-7B at every prefill) with
-// awq_packed_dequant and multiplies with cuBLAS; the dequantize pass alone takes ~5 ms of a 2048-token
-// prefill. Here w_hat only ever exists in shared memory, one 64-k slice at a time. Not yet faster than
-// that path, so the engine does not call it.
+// Why: the prefill path writes w_hat (13.5 GB of fp16 for LLaMA-2-7B at every 2048-token prefill) with
+// awq_packed_dequant and multiplies with cuBLAS; the dequantize pass alone is ~12% of the prefill.
 //
-// Block = 128 tokens x 256 channels, 64 k per stage (128 bytes of fp16 per row: one row of wgmma.cuh's
-// 128-byte swizzle), three warpgroups (warp specialization, as CUTLASS's sm90 kernels):
-//   warpgroup 0, the producer, dequantizes. Thread t owns channels n0 + t and n0 + t + 128: cp.async brings
-//     their 32 bytes of packed int4 per stage (lanes t, t + 1 of the engine layout: 64 consecutive k) and
-//     group terms into a packed ring; PREFETCH stages later, once they have landed, it writes the channels'
-//     64 + 64 w_hat values into rows t, t + 128 of a w_hat slot (16 x 16-byte st.shared), fences them to the
-//     async proxy and arrives on the slot's `w_full` mbarrier (128 arrivals).
-//   warpgroups 1 and 2, the consumers, each own 64 tokens. Each copies its own x rows (cp.async, PREFETCH
-//     stages ahead, 4 x 16 bytes a thread) into an x ring, so no other warpgroup touches them: per stage it
-//     waits for its copies and a warpgroup barrier, then for `w_full`, issues 4 wgmma m64n256k16 and, once the
-//     previous stage's wgmma has retired, arrives (one lane per warp) on that stage's `w_empty`, which the
-//     producer waits for before it rewrites the slot.
-// Why the split, and where it stands (H200, 2048 tokens; awq_wgmma.py has the table): with one barrier per
-// stage and every warp copying, converting and issuing (this kernel's first version) the tensor cores idled
-// while the conversion ran: 427-446 TFLOP/s. A producer warpgroup that also made the x copies (the second)
-// was the bottleneck: Nsight Compute showed the consumers waiting on `w_full` for 40% of their samples while
-// each producer warp issued 447 instructions a stage at 0.2 IPC, 40% of them address arithmetic of the x
-// copies. The consumers have issue slots to spare while their wgmma run, so the x copies are theirs now
-// (446-465 TFLOP/s). What is left: the tensor pipe is active 56% of the time against cuBLAS's 95%, and the
-// conversion still costs ~18% (512-569 without it). Not for want of producer warps: a trial with two producer
-// warpgroups (192-channel blocks, 512 threads, one channel a thread) lost the same share to the conversion
-// (371-411 against 427-501 without it). That points at the amount of conversion work: each 128-token block converts
-// its weights again (16 times per weight at 2048 tokens, where dequantize + cuBLAS converts once), so the next
-// step to try is more tokens per converted tile (256 x 128 blocks, each consumer two m64n128) and a persistent grid
-// (the prologue and epilogue are not overlapped, 5.8 waves).
-// Slots: x (XS = PREFETCH + 2: a copy issued after stage kt overwrites stage kt - 2's, which every warp of
-// the warpgroup retired before the barrier of stage kt), w_hat (WS, guarded by w_full / w_empty), packed
-// words (PS = PREFETCH + 1, the producer's own). The producer waits only for w_empty of stage kt - WS, whose
-// consumers need `w_full` of earlier stages only, so the hand-off cannot deadlock.
+// Sixth version: the product is computed transposed, y^T = w_hat x^T, so that the weight is wgmma's A operand
+// and A comes from registers ("RS" wgmma). w_hat never exists outside a thread's registers: each warp loads
+// its 16-channel panel's packed words straight from global memory (the engine layout, awq_layout.cuh, is
+// already the m16n8k16 A fragment that wgmma's register A takes per warp), converts them to w_hat fragments
+// and feeds them to the tensor cores. The five earlier versions made w_hat in shared memory (a producer
+// warpgroup converting into a ring the consumers' SS wgmma read): 446-465 TFLOP/s at best against cuBLAS's
+// 609-660, with the tensor pipe 56% active (docs/gpu.md step 8). Here shared memory holds only x.
+//
+// Block = 128 channels (two consumer warpgroups of 64: one panel per warp) x 256 tokens (wgmma N), 64 k per
+// stage (half of one 128-k tile of the layout), plus a producer warpgroup (setmaxnreg: it keeps 40 registers
+// a thread so that the consumers get 232). Clusters of two blocks with the same tokens and neighbouring
+// channels share every x stage.
+//   x: natural order, 256 token rows x 64 k a stage, brought by TMA (a tensor map in global memory,
+//     tensor_map.py) in the 128-byte swizzle into a ring of XS slots. The producer's first thread copies
+//     rows 128 rank .. + 127 of each stage into the same slot of both blocks of the pair (multicast: x is
+//     read from L2 once per pair), completing on each block's `full` mbarrier of the slot (32 KB expected);
+//     before it reuses a slot it waits on the slot's `empty` mbarrier, which the 8 consumer warps of both
+//     blocks arrive on once their wgmma of the stage retired. Those arrivals are relaxed: a release would
+//     make each arriving warp wait for its own weight loads in flight (the next tile's), 537-563 TFLOP/s
+//     against 637-648 relaxed (the wgmma's shared-memory reads are complete once wgmma.wait_group returns,
+//     so nothing else needs ordering).
+//   Measured on the way (H200, 2048 tokens, the four LLaMA-2-7B shapes; cuBLAS fp16 621-662 in the same
+//     runs): x permuted to the layout's k order by 4-byte cp.async 370-380; natural x by 16-byte cp.async
+//     522-533 (timing only); TMA issued by a consumer thread behind a per-stage block barrier 603-626; with
+//     no x copies at all (timing only) 731-765. A pair without multicast (FLLAMA_AWQ_WGMMA_CLUSTER=1) 618-633.
+//   k order: the layout's is not the natural one (lane t of a panel holds k 32 t .. 32 t + 31 of a 128-k
+//     tile; natural mma steps want k 16 j + 2 t + {0, 1, 8, 9}), and permuting x instead costs 4-byte copies.
+//     So each lane rearranges its words once per tile (natural_k_words): a 4 x 4 transpose of nibble columns
+//     in its own four words, then a 4 x 4 word transpose across the quad of lanes (four shuffles), after
+//     which word t' holds exactly the nibbles natural steps 2 t' and 2 t' + 1 need, where awq_a_frag reads them.
+//   w: each lane loads its 2 x 16 bytes of packed words and its 8 bytes of group terms per 128-k tile, one
+//     tile ahead in registers; the A fragments of a stage (4 k16 steps x 4 registers) are converted while the
+//     previous stage's wgmma run, into the other of two register sets (the set a wgmma reads must not change
+//     until that wgmma retires).
+//   Epilogue: the accumulators (rows = channels, columns = tokens) go to shared memory transposed by
+//     stmatrix .trans, then out in coalesced 16-byte rows of y (with the residual added, or as SwiGLU).
 // Groups of 128 only (one term per channel and 128-k tile); other group sizes keep dequantize + cuBLAS.
-// Tails: tokens past M and k past K are zero-filled x (the layout zero-pads the weights to whole tiles);
-// channels past N are zero-filled packed words and terms (w_hat 0 * finite = 0); none is stored.
-// grid (ceil(M / 128), ceil(N / 256)), tokens fastest (the blocks of a wave share each weight tile).
+// Tails: tokens past M and k past K are zero-filled x (TMA; the layout zero-pads the weights to whole tiles);
+// panels past N / 16 (and the pair's second block past the last channel tile) compute on zeros, store nothing.
+// grid (ceil(M / 256), ceil(N / 128) rounded up to even), tokens fastest (the blocks of a wave share each
+// weight tile in L2), cluster (1, 2).
 #include "awq_layout.cuh"
 #include "common.cuh"
 #include "gemm_common.cuh"
@@ -49,223 +55,331 @@ using namespace fllama;
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64;  // tokens, channels, k per stage
-constexpr int PRODUCERS = 128, THREADS = PRODUCERS + 256;
-// H200 at 2048 tokens: PREFETCH 2 or 3, WS 3 or 4 all ran at 446-465 TFLOP/s; PREFETCH 1 lost 7%.
-constexpr int PREFETCH = 2, XS = PREFETCH + 2, WS = 3, PS = PREFETCH + 1;
-constexpr int TILE_WORDS = 256;                 // the engine layout's 1 KB panel tile of 128 k (awq_gemv.cu)
-constexpr int X_BYTES = BM * SW128_ROW;         // 16 KB: both consumers' 64 rows
-constexpr int W_BYTES = BN * SW128_ROW;         // 32 KB
-constexpr int RAW_BYTES = BN * 32;              // 8 KB: each channel's two 16-byte lane chunks
-constexpr int TERM_BYTES = BN * 4;              // 1 KB
-constexpr int PACKED_BYTES = RAW_BYTES + TERM_BYTES;
-constexpr int W_OFFSET = XS * X_BYTES, P_OFFSET = W_OFFSET + WS * W_BYTES, BAR_OFFSET = P_OFFSET + PS * PACKED_BYTES;
-constexpr int W_FULL = 0, W_EMPTY = 8 * WS;  // mbarriers: w_full[WS], then w_empty[WS]
-constexpr int SMEM_BYTES = BAR_OFFSET + 16 * WS + SW128_ALIGN;  // 188 KB of the 227 an SM has
-static_assert(X_BYTES % SW128_ALIGN == 0 && W_BYTES % SW128_ALIGN == 0, "tiles must stay 1024-byte aligned");
-static_assert(BN == 2 * PRODUCERS, "two channels per producer thread");
+constexpr int BN = 128, BT = 256, BK = 64;  // channels, tokens, k per stage
+static_assert(2 * BK == 128, "a stage is half of one 128-k tile of the layout");
+constexpr int CONSUMERS = 256;               // two warpgroups issuing wgmma
+constexpr int THREADS = CONSUMERS + 128;     // + a warpgroup of which one thread issues the x copies
+// Registers: 384 threads start at 168 each (a sub-partition's 16K over its three warps); the producer
+// warpgroup gives most of its own back so that the consumers can hold 128 accumulators and two A sets.
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 512, "three warps of a sub-partition share 16K registers");
+#ifndef FLLAMA_AWQ_WGMMA_SLOTS
+#define FLLAMA_AWQ_WGMMA_SLOTS 5
+#endif
+constexpr int XS = FLLAMA_AWQ_WGMMA_SLOTS;  // x stages in shared memory, 32 KB each
+constexpr int TILE_WORDS = 256;           // the layout's 1 KB panel tile of 128 k
+constexpr int X_BYTES = BT * SW128_ROW;   // 32 KB a stage
+constexpr int ROW_PLAIN = 144;            // staging row of 64 channels (128 bytes) + 16: stmatrix conflict-free
+constexpr int ROW_SILU = 80;              // staging row of 32 features (64 bytes) + 16
+#ifndef FLLAMA_AWQ_WGMMA_CLUSTER
+#define FLLAMA_AWQ_WGMMA_CLUSTER 2
+#endif
+constexpr int CLUSTER = FLLAMA_AWQ_WGMMA_CLUSTER;  // blocks of neighbouring channel tiles sharing each x stage
+constexpr int X_PART = X_BYTES / CLUSTER;   // the rows of a stage each block of the pair copies for both
+constexpr int BAR_OFFSET = XS * X_BYTES;    // mbarriers after the ring: full[XS], then empty[XS]
+constexpr int FULL = 0, EMPTY = 8 * XS;
+constexpr int SMEM_BYTES = BAR_OFFSET + 16 * XS + SW128_ALIGN;
+static_assert(2 * BT * ROW_PLAIN <= XS * X_BYTES, "the epilogue staging reuses the x ring");
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool ok) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(ok ? 4 : 0));
+// TMA: box (k0 .. k0 + 63, rows r0 .. r0 + 127) of x into the same shared-memory offset of both blocks of
+// the pair (multicast), completing on the mbarrier at offset `bar` of each.
+__device__ __forceinline__ void tma_load_x_pair(uint32_t dst, const void* tmap, uint32_t bar, int k0, int r0) {
+    if (CLUSTER == 1) {
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+            ::"r"(dst), "l"(tmap), "r"(k0), "r"(r0), "r"(bar)
+            : "memory");
+        return;
+    }
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+        "l"(tmap), "r"(k0), "r"(r0), "r"(bar), "h"((unsigned short)((1 << CLUSTER) - 1))
+        : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Arrive on the mbarrier at shared offset `bar` of block `rank` of the cluster (this one included).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// d[128] (the warpgroup's 64 tokens x 256 channels, fp32) += x (64 x 16 fp16) * w_hat (256 x 16 fp16)^T.
-__device__ __forceinline__ void wgmma_f16_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
+// d[128] (the warpgroup's 64 channels x 256 tokens, fp32) += w_hat (64 x 16, registers) * x (256 x 16)^T.
+__device__ __forceinline__ void wgmma_rs_m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " FLLAMA_D128_LIST
-                 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 ", {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
                  : FLLAMA_D128("+f")
-                 : "l"(da), "l"(db));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// The producer warpgroup's whole job (thread t = 0..127).
-__device__ __forceinline__ void awq_wgmma_produce(unsigned char* smem, uint32_t bars,
-                                                  const uint32_t* __restrict__ packed,
-                                                  const uint32_t* __restrict__ terms, int N, int stages,
-                                                  int tiles, int n0, int t) {
-    // The two channels: their lane chunks (g, t) of rows h of panel n / 16, and their group terms.
-    const uint32_t* w_src[2];
-    const uint32_t* t_src[2];
-    bool n_ok[2];
+// Four 8x8 fp16 matrices (the thread's registers in mma C layout) stored transposed: lane l gives the
+// address of row l % 8 of matrix l / 8 (a row of the transpose: 8 consecutive 16-bit values).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+    return h2_bits(__floats2half2_rn(lo, hi));
+}
+
+// One 128-k tile of the warp's panel as a lane holds it: rows g (w[0]) and g + 8 (w[1]), and their terms.
+struct PanelTile {
+    uint4 w[2];
+    uint2 term;
+};
+
+__device__ __forceinline__ PanelTile load_tile(const uint32_t* packed, const uint32_t* terms, size_t tile,
+                                               int lane, bool ok) {
+    PanelTile pt;
+    const uint32_t* wp = packed + tile * TILE_WORDS + lane * 4;
+    pt.w[0] = ld_stream(wp, ok);
+    pt.w[1] = ld_stream(wp + 128, ok);
+    pt.term = ld_cached8(terms + (tile * 8 + (lane >> 2)) * 2, ok);
+    return pt;
+}
+
+// A row's four words (lane (g, t): k 32 t + 8 w + r of the tile in word w, position r at nibble NIBBLE_OF[r],
+// i.e. k pairs (2c, 2c + 1) at nibbles c and c + 4) -> the words of the natural k order: word t' holds k
+// 32 t' + 8 w + 2 t + {0, 1} at nibbles w and w + 4, which is what awq_a_frag reads for mma steps 2 t' and
+// 2 t' + 1 (k 16 j + {2 t, 2 t + 1, 2 t + 8, 2 t + 9}). Checked against the packing in tests/gpu.
+__device__ __forceinline__ uint4 natural_k_words(const uint4& w, int lane) {
+    // 1. In-lane 4 x 4 transpose of nibble columns (both 16-bit halves at once): c[n] nibble w = word w nibble n.
+    const uint32_t a0 = prmt(w.x, w.z, 0x6240), a2 = prmt(w.x, w.z, 0x7351);  // byte blocks of words 0 | 2
+    const uint32_t a1 = prmt(w.y, w.w, 0x6240), a3 = prmt(w.y, w.w, 0x7351);  // of words 1 | 3
+    const uint32_t c0 = (a0 & 0x0F0F0F0Fu) | ((a1 << 4) & 0xF0F0F0F0u);
+    const uint32_t c1 = ((a0 >> 4) & 0x0F0F0F0Fu) | (a1 & 0xF0F0F0F0u);
+    const uint32_t c2 = (a2 & 0x0F0F0F0Fu) | ((a3 << 4) & 0xF0F0F0F0u);
+    const uint32_t c3 = ((a2 >> 4) & 0x0F0F0F0Fu) | (a3 & 0xF0F0F0F0u);
+    // 2. Column n goes to lane n of the quad: a 4 x 4 word transpose in two butterfly rounds.
+    const bool b1 = lane & 2, b0 = lane & 1;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? c0 : c2, 2);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, b1 ? c1 : c3, 2);
+    const uint32_t k0 = b1 ? c2 : c0, k1 = b1 ? c3 : c1;
+    // u[s][d]: from source lanes with bit 1 = s, for lanes with bit 0 = d
+    const uint32_t u00 = b1 ? r0 : k0, u01 = b1 ? r1 : k1, u10 = b1 ? k0 : r0, u11 = b1 ? k1 : r1;
+    const uint32_t q0 = __shfl_xor_sync(0xffffffffu, b0 ? u00 : u01, 1);
+    const uint32_t q1 = __shfl_xor_sync(0xffffffffu, b0 ? u10 : u11, 1);
+    return make_uint4(b0 ? q0 : u00, b0 ? u01 : q0, b0 ? q1 : u10, b0 ? u11 : q1);
+}
+
+__device__ __forceinline__ void natural_k(PanelTile& pt, int lane) {
+    pt.w[0] = natural_k_words(pt.w[0], lane);
+    pt.w[1] = natural_k_words(pt.w[1], lane);
+}
+
+// The A fragments of one stage (half `half` of the tile: k16 steps 4 half .. 4 half + 3).
+__device__ __forceinline__ void convert_stage(const PanelTile& pt, int half, uint32_t (&a)[4][4]) {
+    const AwqTerms tm = awq_terms(pt.term);
+    const __half2 s2[2] = {bits_h2(prmt(pt.term.x, pt.term.x, 0x1010)),
+                           bits_h2(prmt(pt.term.y, pt.term.y, 0x1010))};
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int n = n0 + t + PRODUCERS * j;
-        n_ok[j] = n < N;
-        const int nn = n_ok[j] ? n : 0;
-        w_src[j] = packed + ((size_t)(nn >> 4) * tiles * 2 + ((nn >> 3) & 1)) * 128 + (nn & 7) * 16;
-        t_src[j] = terms + (size_t)(nn >> 4) * tiles * 16 + (nn & 7) * 2 + ((nn >> 3) & 1);
-    }
-    // Rows t and t + 128 of w_hat slot 0 (the same swizzle: 128 is a multiple of 8).
-    unsigned char* const w_row = smem + W_OFFSET + t * SW128_ROW;
-    const int r7 = t & 7;
-    RingPos<WS> wc;              // the w_hat slot of the stage being converted
-    RingPos<PS> pc, pi;          // the packed slots of the stage being converted and of the one being copied
-    for (int kt = 0; kt < stages + PREFETCH; ++kt) {
-        if (kt >= PREFETCH) {  // convert stage kt - PREFETCH
-            cp_async_wait<PREFETCH - 1>();  // this thread's copies of that stage have landed
-            const unsigned char* pr = smem + P_OFFSET + pc.slot * PACKED_BYTES;
-            uint4 raw[2][2];
-            uint32_t term[2];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int ch = t + PRODUCERS * j;
-                raw[j][0] = *reinterpret_cast<const uint4*>(pr + ch * 32);
-                raw[j][1] = *reinterpret_cast<const uint4*>(pr + ch * 32 + 16);
-                term[j] = *reinterpret_cast<const uint32_t*>(pr + RAW_BYTES + ch * 4);
-            }
-            mbar_wait(bars + W_EMPTY + 8 * wc.slot, wc.phase ^ 1);  // the slot's previous stage retired
-            unsigned char* wrow = w_row + wc.slot * W_BYTES;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-#pragma unroll
-                for (int w = 0; w < 8; ++w) {  // lane t's words 0-3 (k 8w ..), then lane t + 1's
-#ifdef FLLAMA_AWQ_TIMING_NO_DEQUANT  // timing only (wrong results): the stores without the conversion
-                    const uint4 v = make_uint4(word(raw[j][w >> 2], w & 3), term[j], 0, 0);
+    for (int ks = 0; ks < 4; ++ks) {
+#ifdef FLLAMA_AWQ_TIMING_NO_DEQUANT  // timing only (wrong results): the packed words as the fragments
+        const uint32_t wd = word(pt.w[0], ks) ^ word(pt.w[1], ks);
+        a[ks][0] = wd;
+        a[ks][1] = wd >> 1;
+        a[ks][2] = wd >> 2;
+        a[ks][3] = wd >> 3;
 #else
-                    const uint4 v = awq_w_hat8(word(raw[j][w >> 2], w & 3), term[j]);
+        awq_a_frag_hat(pt.w, 4 * half + ks, tm, s2, a[ks]);
 #endif
-                    *reinterpret_cast<uint4*>(wrow + j * PRODUCERS * SW128_ROW + ((w ^ r7) << 4)) = v;
-                }
-            }
-            fence_proxy_async();  // the w_hat stores, to the tensor cores
-            mbar_arrive(bars + W_FULL + 8 * wc.slot);
-            wc.next();
-            pc.next();
-        }
-        if (kt < stages) {  // copy stage kt's packed words and terms
-            unsigned char* pr = smem + P_OFFSET + pi.slot * PACKED_BYTES;
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int ch = t + PRODUCERS * j;
-                // tile kt / 2; lanes t = 2 (kt % 2) and + 1 hold its k's [64 (kt % 2), + 64): 32 contiguous bytes
-                const uint32_t* w = w_src[j] + (size_t)(kt >> 1) * TILE_WORDS + (kt & 1) * 8;
-                cp_async16(pr + ch * 32, w, n_ok[j]);
-                cp_async16(pr + ch * 32 + 16, w + 4, n_ok[j]);
-                cp_async4(pr + RAW_BYTES + ch * 4, t_src[j] + (size_t)(kt >> 1) * 16, n_ok[j]);
-            }
-            pi.next();
-        }
-        cp_async_commit();  // one group per iteration, empty past the last stage, so the waits count stages
     }
 }
 
 // EPI 0: y [M, N];  1: + residual (fp16 add after rounding);  2: y [M, N / 2] = silu(gate) * up of a gate|up
 // weight interleaved by 8 (each 16-channel panel: 8 gate channels, then the same 8 up channels).
 template <int EPI>
-__device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const __half* __restrict__ x,
+__device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const void* __restrict__ xmap,
                                           const uint32_t* __restrict__ packed, const uint32_t* __restrict__ terms,
                                           const __half* __restrict__ residual, int M, int N, int K, int tiles) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)SMEM_BYTES) __trap();  // the launcher disagrees with this layout
     unsigned char* smem = sw128_base(smem_raw);
     const uint32_t smem_addr = (uint32_t)__cvta_generic_to_shared(smem);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cw = warp >> 2, w = warp & 3;
+    const int m0 = blockIdx.x * BT, n0 = blockIdx.y * BN;
+    const int stages = 2 * tiles;
+
     const uint32_t bars = smem_addr + BAR_OFFSET;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
-    const int stages = (K + BK - 1) / BK;
+    const uint32_t rank = cluster_rank();
     if (tid == 0) {
-        for (int s = 0; s < WS; ++s) {
-            mbar_init(bars + W_FULL + 8 * s, PRODUCERS);  // every producer thread, after its own stores
-            mbar_init(bars + W_EMPTY + 8 * s, 8);         // each consumer warp
+        for (int i = 0; i < XS; ++i) {
+            mbar_init(bars + FULL + 8 * i, 1);              // the producer's arrive + both halves' bytes
+            mbar_init(bars + EMPTY + 8 * i, 8 * CLUSTER);   // every warp of both blocks has retired the stage
         }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit, the peer
     }
-    __syncthreads();
-    pdl_wait();  // x and the residual come from the previous kernel
-    if (wg == 0) {
-        awq_wgmma_produce(smem, bars, packed, terms, N, stages, tiles, n0, tid);
+    cluster_sync();  // the peer's copies and arrivals may target this block's barriers from here on
+
+    // Stage kt: x[m0 .. m0 + 255][64 kt .. 64 kt + 63] (TMA fills rows past M and k past K with zeros); this
+    // block copies rows 128 rank .. + 127 into both blocks of the pair, the peer the other half.
+    if (tid >= CONSUMERS) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        pdl_wait();  // x comes from the previous kernel
+        if (tid == CONSUMERS) {
+            RingPos<XS> xc;
+            for (int kt = 0; kt < stages; ++kt) {
+                mbar_wait(bars + EMPTY + 8 * xc.slot, xc.phase ^ 1);  // both blocks retired the slot's last stage
+#ifndef FLLAMA_AWQ_TIMING_NO_X  // timing only (wrong results): no x copies at all
+                mbar_arrive_expect_tx(bars + FULL + 8 * xc.slot, X_BYTES);
+                tma_load_x_pair(smem_addr + xc.slot * X_BYTES + rank * X_PART, xmap, bars + FULL + 8 * xc.slot,
+                                BK * kt, m0 + rank * (BT / CLUSTER));
+#else
+                mbar_arrive(bars + FULL + 8 * xc.slot);
+#endif
+                xc.next();
+            }
+        }
+        __syncwarp();
+        pdl_launch_dependents();
+        cluster_sync();  // as the consumers' last step
         return;
     }
-    const int cw = wg - 1, ct = tid - PRODUCERS * wg;  // consumer: tokens 64 cw .. + 63 of the block
-    // Its x copies: rows 64 cw + ct / 8 + 16 i, 16-byte chunk ct % 8 (8 k) of the stage's 128 bytes.
-    const int c = ct & 7, r0 = 64 * cw + (ct >> 3);
-    const __half* x_row = x + (size_t)(m0 + r0) * K + 8 * c;  // read only where the row is below M
-    uint32_t rows_ok = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) rows_ok |= (uint32_t)(m0 + r0 + 16 * i < M) << i;
-    const uint32_t x_dst = sw128(r0, c);
-    auto copy_x = [&](int kt, int slot) {
-        unsigned char* xt = smem + slot * X_BYTES + x_dst;
-        const int k = kt * BK;
-        const bool k_ok = k + 8 * c < K;  // K % 8 == 0: a chunk is all in or all out
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const bool ok = k_ok && (rows_ok >> i & 1);
-            cp_async16(xt + 16 * SW128_ROW * i, ok ? x_row + (size_t)16 * i * K + k : x, ok);
-        }
-    };
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    // The warp's panel: its first tile's words and terms (weights only: before the PDL wait).
+    const int panel = n0 / 16 + warp;
+    const bool panel_ok = panel < N / 16;
+    const uint32_t* pk = packed + (size_t)(panel_ok ? panel : 0) * tiles * TILE_WORDS;
+    const uint32_t* tk = terms + (size_t)(panel_ok ? panel : 0) * tiles * 16;
+    PanelTile cur = load_tile(pk, tk, 0, lane, panel_ok);
+    PanelTile nxt = load_tile(pk, tk, 1, lane, panel_ok && tiles > 1);
+
+    pdl_wait();  // the residual comes from the previous kernel
+
     float d[128];
-    wgmma_pipeline_start<PREFETCH>(d, stages, [&](int kt) { copy_x(kt, kt); });
-    RingPos<WS> wf;  // the stage's w_hat slot
-    RingPos<XS> xs;  // and x slot
-    int w_prev = 0;
-    for (int kt = 0; kt < stages; ++kt) {
-        cp_async_wait<PREFETCH - 1>();  // this thread's x copies of stage kt have landed
-        fence_proxy_async();
-        named_barrier(1 + cw, 128);     // and the warpgroup's
-        mbar_wait(bars + W_FULL + 8 * wf.slot, wf.phase);
-        const uint32_t sx = smem_addr + xs.slot * X_BYTES + cw * (64 * SW128_ROW);
-        const uint32_t sw = smem_addr + W_OFFSET + wf.slot * W_BYTES;
-        wgmma_stage<BK / 16>(d, sw128_desc(sx), sw128_desc(sw),
-                             [](auto& acc, uint64_t a, uint64_t b) { wgmma_f16_m64n256k16(acc, a, b); });
-        // stage kt - 1's wgmma retired (wgmma_stage waited for all but the newest group): its w_hat is free
-        if (kt > 0 && lane == 0) mbar_arrive(bars + W_EMPTY + 8 * w_prev);
-        w_prev = wf.slot;
-        wf.next();
-        const int xn = (xs.slot + PREFETCH) % XS;  // stage kt + PREFETCH's slot, stage kt - 2's before
-        if (kt + PREFETCH < stages) copy_x(kt + PREFETCH, xn);
-        cp_async_commit();
-        xs.next();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    uint32_t a[2][4][4];  // [stage parity][k16 step][register]
+    natural_k(cur, lane);
+    convert_stage(cur, 0, a[0]);
+    RingPos<XS> xs;  // stage kt's slot
+    int prev = 0;    // stage kt - 1's slot
+    for (int tile = 0; tile < tiles; ++tile) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int kt = 2 * tile + half;
+            mbar_wait(bars + FULL + 8 * xs.slot, xs.phase);
+            const uint64_t db = sw128_desc(smem_addr + xs.slot * X_BYTES);
+            fence_operands(d);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) wgmma_rs_m64n256k16(d, a[half][ks], db + 2 * ks);
+            wgmma_commit();
+            fence_operands(d);
+            wgmma_wait<1>();  // stage kt - 1 retired: the other register set and its x slot are free
+            if (kt > 0 && lane < CLUSTER) mbar_arrive_cluster(bars + EMPTY + 8 * prev, lane);  // both blocks'
+            prev = xs.slot;
+            xs.next();
+            if (half == 0) {
+                convert_stage(cur, 1, a[1]);
+            } else if (tile + 1 < tiles) {
+                cur = nxt;
+                nxt = load_tile(pk, tk, tile + 2, lane, panel_ok && tile + 2 < tiles);
+                natural_k(cur, lane);
+                convert_stage(cur, 0, a[0]);
+            }
+        }
     }
     wgmma_drain(d);
     pdl_launch_dependents();
+    named_barrier(1, CONSUMERS);  // both warpgroups are done with the x ring: it becomes the staging area
+    const int rows_here = min(BT, M - m0);
 
-    // Epilogue from the accumulators: rows m, m + 8; column pairs (n, n + 1).
-    const int m = m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2);
+    // Accumulator d[4 j + 2 h + e]: channel 16 w + 8 h + lane / 4 of the warpgroup, token 8 j + 2 (lane % 4) + e.
+    const int mi = lane >> 3, rr = lane & 7;  // the matrix and row whose address this lane gives stmatrix
+    const int ct = tid & 127;
+    if (EPI == 2) {
+        // Rows g (gate f) and g + 8 (up f) of a panel are the same feature f = 8 panel + g: one 8x8 output
+        // matrix per token block j. Staging: [256 tokens][32 features of the warpgroup].
+        const uint32_t st = smem_addr + cw * (BT * ROW_SILU);
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int col = n0 + 8 * j + 2 * (lane & 3);
-        if (EPI == 2) {
-            if ((j & 1) || col >= N) continue;  // j even: gate columns; j + 1: the same f's up columns
-            const int f = (n0 + 8 * j) / 2 + 2 * (lane & 3);
+        for (int q = 0; q < 8; ++q) {
+            uint32_t r[4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (m + 8 * h >= M) continue;
+            for (int m = 0; m < 4; ++m) {
+                const int j = 4 * q + m;
                 __half o[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const __half gate = __float2half_rn(d[4 * j + 2 * h + e]);
-                    const __half up = __float2half_rn(d[4 * j + 4 + 2 * h + e]);
+                    const __half gate = __float2half_rn(d[4 * j + e]);
+                    const __half up = __float2half_rn(d[4 * j + 2 + e]);
                     o[e] = __hmul_rn(silu_h(__half2float(gate)), up);
                 }
-                *reinterpret_cast<__half2*>(y + (size_t)(m + 8 * h) * (N / 2) + f) = __halves2half2(o[0], o[1]);
+                r[m] = h2_bits(__halves2half2(o[0], o[1]));
             }
-        } else {
-            if (col >= N) continue;
+            stmatrix_x4_trans(st + (8 * (4 * q + mi) + rr) * ROW_SILU + 16 * w, r[0], r[1], r[2], r[3]);
+        }
+        named_barrier(2 + cw, 128);
+        const int F = N / 2, f0 = n0 / 2 + 32 * cw;
+#pragma unroll 4
+        for (int i = 0; i < BT * 4 / 128; ++i) {
+            const int id = i * 128 + ct, row = id >> 2, c = id & 3;
+            if (row >= rows_here || f0 + 8 * c >= F) continue;
+            const uint4 v = *reinterpret_cast<const uint4*>(smem + cw * (BT * ROW_SILU) + row * ROW_SILU + 16 * c);
+            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * F + f0 + 8 * c) = v;
+        }
+    } else {
+        // Staging: [256 tokens][64 channels of the warpgroup]; matrix m of call q: j = 2 q + m / 2, h = m % 2.
+        const uint32_t st = smem_addr + cw * (BT * ROW_PLAIN);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                if (m + 8 * h >= M) continue;
-                const size_t o = (size_t)(m + 8 * h) * N + col;
-                __half lo = __float2half_rn(d[4 * j + 2 * h]), hi = __float2half_rn(d[4 * j + 2 * h + 1]);
-                if (EPI == 1) {
-                    lo = __hadd_rn(lo, residual[o]);
-                    hi = __hadd_rn(hi, residual[o + 1]);
-                }
-                *reinterpret_cast<__half2*>(y + o) = __halves2half2(lo, hi);
+        for (int q = 0; q < 16; ++q) {
+            uint32_t r[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int j = 2 * q + (m >> 1), h = m & 1;
+                r[m] = pack_h2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
             }
+            stmatrix_x4_trans(st + (8 * (2 * q + (mi >> 1)) + rr) * ROW_PLAIN + 2 * (16 * w + 8 * (mi & 1)),
+                              r[0], r[1], r[2], r[3]);
+        }
+        named_barrier(2 + cw, 128);
+        const int c0 = n0 + 64 * cw;
+#pragma unroll 4
+        for (int i = 0; i < BT * 8 / 128; ++i) {
+            const int id = i * 128 + ct, row = id >> 3, c = id & 7;
+            if (row >= rows_here || c0 + 8 * c >= N) continue;
+            uint4 v = *reinterpret_cast<const uint4*>(smem + cw * (BT * ROW_PLAIN) + row * ROW_PLAIN + 16 * c);
+            const size_t o = (size_t)(m0 + row) * N + c0 + 8 * c;
+            if (EPI == 1) {
+                const uint4 res = *reinterpret_cast<const uint4*>(residual + o);
+                v.x = h2_bits(__hadd2(bits_h2(v.x), bits_h2(res.x)));
+                v.y = h2_bits(__hadd2(bits_h2(v.y), bits_h2(res.y)));
+                v.z = h2_bits(__hadd2(bits_h2(v.z), bits_h2(res.z)));
+                v.w = h2_bits(__hadd2(bits_h2(v.w), bits_h2(res.w)));
+            }
+            *reinterpret_cast<uint4*>(y + o) = v;
         }
     }
+    cluster_sync();  // the peer may still arrive on this block's barriers until it leaves its main loop
 }
 
 }  // namespace
 
-// (y fp16, x fp16 [M,K], packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles, 8, 2] (groups of 128),
-//  residual fp16 [M,N] or null, M, N, K, tiles); N % 16 == 0, K % 8 == 0.
+// (y fp16, xmap: the tensor map of x fp16 [M, K] (box 64 k x 256 rows, 128-byte swizzle) in global memory,
+//  packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles, 8, 2] (groups of 128),
+//  residual fp16 [M,N] or null, M, N, K, tiles); N % 16 == 0, K % 8 == 0; y, x, residual 16-byte aligned
+//  with rows of a multiple of 8 values.
 #define FLLAMA_AWQ_WGMMA(EPI, NAME)                                                                         \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                \
-        awq_wgmma_##NAME(__half* y, const __half* x, const uint32_t* packed, const uint32_t* terms,         \
+        awq_wgmma_##NAME(__half* y, const void* xmap, const uint32_t* packed, const uint32_t* terms,        \
                          const __half* residual, int M, int N, int K, int tiles) {                         \
-        awq_wgmma<EPI>(y, x, packed, terms, residual, M, N, K, tiles);                                     \
+        awq_wgmma<EPI>(y, xmap, packed, terms, residual, M, N, K, tiles);                                     \
     }
 FLLAMA_AWQ_WGMMA(0, plain)
 FLLAMA_AWQ_WGMMA(1, res)

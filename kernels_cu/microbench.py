@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_cu import awq_wgmma, build, int8_wgmma
+from kernels_cu import awq_gemv as awq_gemv_module
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
 from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear, awq_packed_dequantize,
@@ -109,8 +110,8 @@ def bench_int8(m: int, k: int, n: int, bw: float) -> Row:
 
 def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
     """Prefill-sized GEMMs: fp16 cuBLAS; int8 as int8_gemm runs it (the wgmma kernel on Hopper) and the
-    _int_mm + epilogue path it replaced; AWQ as awq_linear runs it (dequantize + cuBLAS) and the fused wgmma
-    kernel."""
+    _int_mm + epilogue path it replaced; AWQ by the dequantize + cuBLAS path and by the fused wgmma kernel that
+    awq_linear runs on Hopper."""
     nc = 2
     flop = 2 * m * k * n
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -131,8 +132,12 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
         rows.append(row("int8 _int_mm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
     finally:
         int8_wgmma.takes = saved
-    rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
-    if awq_wgmma.takes(x, awq[0]):  # the fused kernel the engine does not use yet (awq_wgmma.py)
+    saved_fused, awq_gemv_module.FUSED_PREFILL = awq_gemv_module.FUSED_PREFILL, False  # the path the fused GEMM replaced
+    try:
+        rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
+    finally:
+        awq_gemv_module.FUSED_PREFILL = saved_fused
+    if awq_wgmma.takes(x, awq[0]):  # the fused kernel (awq_linear's prefill path on Hopper)
         rows.append(row("awq wgmma", time_graph(lambda i: awq_wgmma.launch(x, awq[i], None, None), nc),
                         awq[0].nbytes()))
     return rows

@@ -1,7 +1,9 @@
-"""awq_wgmma.cu (the Hopper AWQ prefill GEMM, w_hat made in shared memory) against float64 references.
+"""awq_wgmma.cu (the Hopper AWQ prefill GEMM, w_hat made in registers, x by TMA shared by block pairs) against
+float64 references.
 
 Its w_hat is the reference dequantizer's bit for bit; the product is an fp32 sum rounded once, so it is held
-to the same tolerance as cuBLAS on w_hat (check_gemm), and to the dequantize + cuBLAS path it replaces.
+to the same tolerance as cuBLAS on w_hat (check_gemm), and to the dequantize + cuBLAS path it replaces. The
+ragged shapes cover a pair whose second block lies past N and token tiles the TMA box overhangs.
 """
 
 import pytest
@@ -12,8 +14,8 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, awq_tensors, check_gemm, 
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu import awq_wgmma, build  # noqa: E402
-from kernels_cu.awq_gemv import awq_linear_ref, awq_packed_dequantize, pack_for_gemv  # noqa: E402
+from kernels_cu import awq_gemv, awq_wgmma, build, tensor_map  # noqa: E402
+from kernels_cu.awq_gemv import awq_linear, awq_linear_ref, awq_packed_dequantize, pack_for_gemv  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and build.has_wgmma(torch.cuda.current_device())),
@@ -71,3 +73,44 @@ def test_takes_groups_of_128_only():
     x = randn(100, 512, seed=1)
     assert awq_wgmma.takes(x, pack_for_gemv(*awq_tensors(512, 256, 128, seed=2)))
     assert not awq_wgmma.takes(x, pack_for_gemv(*awq_tensors(512, 256, 64, seed=2)))
+
+
+def test_residual_in_place():
+    """The engine passes the residual stream as both residual and out."""
+    p = pack_for_gemv(*awq_tensors(1024, 512, 128, seed=21))
+    x = randn(300, 1024, seed=22)
+    res = randn(300, 512, seed=23)
+    ref = awq_linear_ref(x, p, residual=res)
+    y = awq_wgmma.launch(x, p, res, res)
+    assert y.data_ptr() == res.data_ptr()
+    check_gemm(y, ref, "in place")
+
+
+def test_awq_linear_prefill_takes_the_fused_gemm(monkeypatch):
+    """awq_linear above the GEMV's rows runs this kernel (FUSED_PREFILL), and w_hat + cuBLAS when it is off."""
+    p = pack_for_gemv(*awq_tensors(512, 256, 128, seed=31))
+    x = randn(200, 512, seed=32)
+    calls = []
+    launch = awq_wgmma.launch
+    monkeypatch.setattr(awq_wgmma, "launch", lambda *a: calls.append(1) or launch(*a))
+    fused = awq_linear(x, p)
+    assert calls == [1]
+    monkeypatch.setattr(awq_gemv, "FUSED_PREFILL", False)
+    unfused = awq_linear(x, p)
+    assert calls == [1]
+    ref = awq_linear_ref(x, p)
+    check_gemm(fused, ref, "fused")
+    check_gemm(unfused, ref, "dequantize + cuBLAS")
+
+
+def test_tensor_maps_are_kept_per_buffer():
+    x = randn(300, 512, seed=41)
+    a = tensor_map.device_map(x, 64, 128)
+    assert tensor_map.device_map(x, 64, 128) is a
+    assert tensor_map.device_map(x[:256], 64, 128) is not a  # same address, other shape: another map
+    assert a.numel() == tensor_map.MAP_BYTES and a.is_cuda
+
+
+def test_tensor_map_refuses_unaligned_rows():
+    with pytest.raises(ValueError, match="16-byte"):
+        tensor_map.encode_2d(randn(8, 12, seed=1), 8, 8)
