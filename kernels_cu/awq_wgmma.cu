@@ -44,8 +44,8 @@
 // Groups of 128 only (one term per channel and 128-k tile); other group sizes keep dequantize + cuBLAS.
 // Tails: tokens past M and k past K are zero-filled x (TMA; the layout zero-pads the weights to whole tiles);
 // panels past N / 16 (and the pair's second block past the last channel tile) compute on zeros, store nothing.
-// grid (ceil(M / 256), ceil(N / 128) rounded up to even), tokens fastest (the blocks of a wave share each
-// weight tile in L2), cluster (1, 2).
+// grid (ceil(M / 256), ceil(N / 128) rounded up to even), cluster (1, 2); cluster_order maps the launch order
+// to tiles so that a wave's x and weights stay in L2.
 #include "awq_layout.cuh"
 #include "common.cuh"
 #include "gemm_common.cuh"
@@ -201,6 +201,20 @@ __device__ __forceinline__ void convert_stage(const PanelTile& pt, int half, uin
     }
 }
 
+// The cluster's (token tile, channel-tile pair), in launch order: groups of GROUP token tiles, tokens fastest
+// within a group, every pair of a group before the next group. A wave (66 pairs) then reads 8 x 256 rows of x
+// (16 MB at K = 4096) and ~16 channel tiles of weights, which stay in L2; with all token tiles in one sweep
+// (the grid's own order) a wave at 16384 tokens streamed all of x (128 MB) from DRAM again for every pair.
+constexpr int GROUP = 8;
+__device__ __forceinline__ void cluster_order(int& token_tile, int& pair) {
+    const int T = gridDim.x, P = gridDim.y / CLUSTER;
+    const int c = blockIdx.x + T * (blockIdx.y / CLUSTER);  // launch order of the clusters
+    const int g = c / (GROUP * P), r = c - g * GROUP * P;
+    const int size = min(GROUP, T - g * GROUP);
+    token_tile = g * GROUP + r % size;
+    pair = r / size;
+}
+
 // EPI 0: y [M, N];  1: + residual (fp16 add after rounding);  2: y [M, N / 2] = silu(gate) * up of a gate|up
 // weight interleaved by 8 (each 16-channel panel: 8 gate channels, then the same 8 up channels).
 template <int EPI>
@@ -212,11 +226,13 @@ __device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const void* __
     unsigned char* smem = sw128_base(smem_raw);
     const uint32_t smem_addr = (uint32_t)__cvta_generic_to_shared(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, cw = warp >> 2, w = warp & 3;
-    const int m0 = blockIdx.x * BT, n0 = blockIdx.y * BN;
+    const uint32_t rank = cluster_rank();
+    int token_tile, pair;
+    cluster_order(token_tile, pair);
+    const int m0 = token_tile * BT, n0 = (CLUSTER * pair + rank) * BN;
     const int stages = 2 * tiles;
 
     const uint32_t bars = smem_addr + BAR_OFFSET;
-    const uint32_t rank = cluster_rank();
     if (tid == 0) {
         for (int i = 0; i < XS; ++i) {
             mbar_init(bars + FULL + 8 * i, 1);              // the producer's arrive + both halves' bytes

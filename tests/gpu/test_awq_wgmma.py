@@ -40,9 +40,11 @@ def test_llama_shapes(M, K, N):
     check_gemm(y, ref, f"M={M} K={K} N={N}")
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 128, 16), (65, 384, 208), (129, 1152, 4112), (300, 640, 1536)])
+@pytest.mark.parametrize("M,K,N", [(1, 128, 16), (65, 384, 208), (129, 1152, 4112), (300, 640, 1536),
+                                   (2600, 256, 784)])
 def test_ragged_tiles(M, K, N):
-    """M, N and K not multiples of the 128 x 256 x 64 block (K = 640: a half-used last tile)."""
+    """M, N and K not multiples of the 256 x 128 x 64 block (K = 640: a half-used last tile); 2600 tokens are
+    11 token tiles, a group of 8 and a short one (cluster_order), 784 channels 7 tiles in 4 pairs."""
     y, ref, _, _ = run(M, K, N, seed=3 * M + N)
     check_gemm(y, ref, f"M={M} K={K} N={N}")
 
