@@ -218,9 +218,10 @@ __device__ __forceinline__ void cluster_order(int& token_tile, int& pair) {
 // EPI 0: y [M, N];  1: + residual (fp16 add after rounding);  2: y [M, N / 2] = silu(gate) * up of a gate|up
 // weight interleaved by 8 (each 16-channel panel: 8 gate channels, then the same 8 up channels).
 template <int EPI>
-__device__ __forceinline__ void awq_wgmma(__half* __restrict__ y, const void* __restrict__ xmap,
+// y and residual may be one buffer (the engine adds into the residual stream in place): not __restrict__.
+__device__ __forceinline__ void awq_wgmma(__half* y, const void* __restrict__ xmap,
                                           const uint32_t* __restrict__ packed, const uint32_t* __restrict__ terms,
-                                          const __half* __restrict__ residual, int M, int N, int K, int tiles) {
+                                          const __half* residual, int M, int N, int K, int tiles) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)SMEM_BYTES) __trap();  // the launcher disagrees with this layout
     unsigned char* smem = sw128_base(smem_raw);
