@@ -303,17 +303,9 @@ constexpr int PH_STRIDE = 24;      // halves per head row of a warp's P tile: co
 constexpr int MAX_SPLITS = 512;
 constexpr int CLUSTER_MAX = 16;  // blocks per cluster (non-portable above 8; H100 / H200 allow 16)
 
-// The thread-block cluster's barrier, every thread of every block (release: this block's shared-memory
-// writes are visible to the cluster after it; acquire: the others' are visible here).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
 // A float in block `rank`'s shared memory at the address `p` has in this block's (same kernel, same layout).
 __device__ __forceinline__ float ld_cluster(const float* p, int rank) {
-    uint32_t local = (uint32_t)__cvta_generic_to_shared(p), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
     return v;

@@ -8,8 +8,8 @@
 M <= GEMV_MAX_M: awq_gemv (y = sum_groups s * sum_k (q - z) x, fp32), or from BATCH_MIN_M tokens on the
 awq_batch.cu GEMM (4 panels per block sharing the activations through shared memory); larger M on Hopper
 with groups of 128: awq_wgmma.cu, the fused GEMM (as fast as cuBLAS fp16); otherwise w_hat [N, K] =
-fp16((q - z) * s) written by awq_packed_dequant, then cuBLAS. With `swiglu` the gate|up weight's channels are interleaved
-by 8 per panel of 16 and the GEMV writes silu(gate) * up directly (one kernel instead of two).
+fp16((q - z) * s) written by awq_packed_dequant, then cuBLAS. With `swiglu` the gate|up weight's channels are
+interleaved by 8 per panel of 16 and the GEMV writes silu(gate) * up directly (one kernel instead of two).
 """
 
 from __future__ import annotations

@@ -102,14 +102,10 @@ __device__ __forceinline__ uint32_t cluster_rank() {
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
 }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
 // Arrive on the mbarrier at shared offset `bar` of block `rank` of the cluster (this one included).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_map(bar, rank))
+                 : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -388,8 +384,8 @@ __device__ __forceinline__ void awq_wgmma(__half* y, const void* __restrict__ xm
 
 }  // namespace
 
-// (y fp16, xmap: the tensor map of x fp16 [M, K] (box 64 k x 256 rows, 128-byte swizzle) in global memory,
-//  packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles, 8, 2] (groups of 128),
+// (y fp16, xmap: the tensor map of x fp16 [M, K] (box 64 k x 256 / CLUSTER rows, 128-byte swizzle) in global
+//  memory, packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles, 8, 2] (groups of 128),
 //  residual fp16 [M,N] or null, M, N, K, tiles); N % 16 == 0, K % 8 == 0; y, x, residual 16-byte aligned
 //  with rows of a multiple of 8 values.
 #define FLLAMA_AWQ_WGMMA(EPI, NAME)                                                                         \

@@ -192,4 +192,17 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_launch_dependents();
 }
 
+// Thread-block clusters (sm_90): the cluster's barrier, every thread of every block (release: this block's
+// shared-memory writes are visible to the cluster after it; acquire: the others' are visible here), and the
+// address in block `rank`'s shared memory that `local` has in this block (same kernel, same layout).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+
 }  // namespace fllama

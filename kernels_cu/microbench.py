@@ -132,7 +132,8 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
         rows.append(row("int8 _int_mm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
     finally:
         int8_wgmma.takes = saved
-    saved_fused, awq_gemv_module.FUSED_PREFILL = awq_gemv_module.FUSED_PREFILL, False  # the path the fused GEMM replaced
+    # the path the fused GEMM replaced
+    saved_fused, awq_gemv_module.FUSED_PREFILL = awq_gemv_module.FUSED_PREFILL, False
     try:
         rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
     finally:
