@@ -272,7 +272,8 @@ extern "C" __global__ void __launch_bounds__(128)
 //   4. int8 output: static amax -> each unit's finishing block quantizes its own heads; dynamic ->
 //      after writing its heads' fp16 output the finishing block bumps the row's counter, and the row's
 //      last block reads the row's H * D fp16 values back (L2), takes amax and quantizes, so q_out equals
-//      quantize_ref(out) bit for bit.
+//      quantize_ref(out) bit for bit. Or (amax_part) no quantization here: the finishing block writes its
+//      unit's max |out|, and the o_proj GEMV quantizes (int8_gemm.cu, XqHook).
 //   counters int32 [units + B], zero before the first launch, zero again after every launch.
 // *_cl entries (CL): the same kernel launched in thread-block clusters of S blocks (cluster dims (S, 1, 1), S
 //   <= 16), one cluster per unit, for the small-batch grids where a unit has several blocks (LLaMA-2-7B at
@@ -479,6 +480,7 @@ __device__ __forceinline__ void store_new_kv(const __half* k_src, const __half* 
 template <int D, bool KV8, bool CL>
 __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __restrict__ q_out,
                                            float* __restrict__ a_scale, const float* __restrict__ static_amax,
+                                           float* __restrict__ amax_part,
                                            float* __restrict__ part_o, float* __restrict__ part_ml,
                                            int* __restrict__ counters, const __half* __restrict__ q,
                                            const __half* __restrict__ qkv, const float* __restrict__ cos_sin,
@@ -720,6 +722,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     const size_t out_row = (size_t)b * H * D;  // out / q_out offset of row b
     const bool quant_static = q_out != nullptr && static_amax != nullptr;
     const float inv_static = quant_static ? __fdiv_rn(127.0f, clamp_amax(*static_amax)) : 0.0f;
+    float out_amax = 0.0f;  // max |out| of the values this thread wrote (amax_part)
     for (int e = tid; e < slots * D; e += THREADS) {
         const int h = e / D, d = e % D;
         float acc = 0.0f, l = 0.0f, m = -INFINITY;
@@ -736,6 +739,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         if (n_act == 1) {
             const __half y = __float2half_rn(len > 0 ? acc / l : 0.0f);  // an empty row attends to nothing
             out[out_row + (size_t)(head0 + h) * D + d] = y;
+            out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
             if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
         } else if (CL) {
             float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
@@ -801,6 +805,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             }
             const __half y = __float2half_rn(acc / s_l[h]);
             out[out_row + (size_t)(head0 + h) * D + d] = y;
+            out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
             if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
         }
     } else if (n_act > 1 && !CL) {
@@ -812,6 +817,11 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     }
 
     // this block finished its unit's heads
+    if (amax_part != nullptr) {  // the unit's max |out|, for an int8 o_proj that quantizes its input itself
+        const float m = block_max(out_amax, s_red);
+        if (tid == 0) amax_part[u] = m;  // [B, Hkv * HG] flattened: unit u of row b is b * Hkv * HG + ...
+        return;
+    }
     if (q_out == nullptr) return;
     if (quant_static) {
         if (tid == 0 && kvh == 0 && hg == 0) a_scale[b] = __fdiv_rn(clamp_amax(*static_amax), 127.0f);
@@ -838,6 +848,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 }  // namespace fused
 
 // (out fp16 [B,H,D], q_out int8 [B,H*D] or null, a_scale f32 [B] or null, static_amax f32 [1] or null,
+//  amax_part f32 [B, Hkv * HG] or null (q_out null: each unit's max |out|),
 //  part_o f32 [B,H,S,D], part_ml f32 [B,H,S,2], counters i32 [units + B] (zero), q fp16 [B,H,D] or null,
 //  qkv fp16 [B,(H+2Hkv)*D] or null (RoPE mode), cos_sin f32 [max_pos,D] or null,
 //  k_cache, v_cache [B,Hkv,L,D] fp16 or int8, k_scale, v_scale f32 [B,Hkv,L] or null, lengths i32 [B],
@@ -849,12 +860,14 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     FLLAMA_ATTN_FUSED_CL(NAME##_cl, D, KV8, MINB, true)
 #define FLLAMA_ATTN_FUSED_CL(NAME, D, KV8, MINB, CL)                                                        \
     extern "C" __global__ void __launch_bounds__(fused::THREADS, MINB)                                      \
-        NAME(__half* out, int8_t* q_out, float* a_scale, const float* static_amax, float* part_o,          \
+        NAME(__half* out, int8_t* q_out, float* a_scale, const float* static_amax, float* amax_part,       \
+             float* part_o,                                                                                 \
              float* part_ml, int* counters, const __half* q, const __half* qkv, const float* cos_sin,       \
              void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
              int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
         pdl_enter_attention();                                                                             \
-        fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, part_o, part_ml, counters, q, qkv,     \
+        fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, amax_part, part_o, part_ml, counters, q, \
+                                  qkv,                                                                     \
                                   cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S,      \
                                   span_tiles, max_pos, scale_log2);                                        \
     }

@@ -49,7 +49,7 @@ MAX_SPLITS = 512
 CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (attention_decode.cu; non-portable above 8)
 CLUSTERS = True  # the `_cl` entries where they apply (False: the workspace combine everywhere; A/B runs)
 COUNTER_POOL = "attention"
-SIGNATURE = "PPPPPPPPPPPPPPPiiiiiif"  # the attn_fused_* entries
+SIGNATURE = "PPPPPPPPPPPPPPPPiiiiiif"  # the attn_fused_* entries
 FUSED_STATIC_SMEM = 176  # bytes of static shared memory (ptxas)
 BLOCK_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident block (sm_80 and later)
 MAX_BLOCKS_PER_SM = 4  # the register budget (<= 128 per thread except d128 fp16, which smem caps at 3)
@@ -126,7 +126,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """-> out fp16 [B, H, D]. fused: one launch (chunk, if given, fixes the positions per block: a multiple
     of 16); fused=False: the two-kernel path (chunk: a multiple of 16 up to 512)."""
     if fused:
-        out, _, _ = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False)
+        out, _, _, _ = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False)
         return out
     B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
     groups = cdiv(H // Hkv, SLOTS)
@@ -159,7 +159,7 @@ def attention_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: tor
     Equals rope_kv(qkv, cos_sin, pos=lengths - 1, row=arange(B), ...) then attention_decode on its q, bit
     for bit, caches included (k_cache / v_cache, and k_scale / v_scale for int8, are written in place).
     """
-    out, _, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False,
+    out, _, _, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False,
                               cos_sin=cos_sin, n_heads=n_heads)
     return out
 
@@ -172,10 +172,23 @@ def attention_decode_rope_quant(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cach
                                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_decode_rope with the output quantized per token -> (q_out int8 [B, H * D], a_scale fp32 [B]),
     as attention_decode_quant quantizes it."""
-    _, q_out, a_scale = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
+    _, q_out, a_scale, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
                                       static_amax=static_amax, q_out=q_out, a_scale=a_scale, cos_sin=cos_sin,
                                       n_heads=n_heads)
     return q_out, a_scale
+
+
+def attention_decode_rope_parts(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, lengths: torch.Tensor, n_heads: int,
+                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                                out: torch.Tensor | None = None, chunk: int | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_decode_rope for an int8 o_proj that quantizes its input itself (int8_gemm.DeferredQuant):
+    -> (out fp16 [B, H * D], part fp32 [B, Hkv * ceil(H / Hkv / 8)]), part[b, u] = max |out| over unit u's
+    heads of row b, so the max of part[b] is row b's amax exactly."""
+    out, _, _, part = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False,
+                                    cos_sin=cos_sin, n_heads=n_heads, parts=True)
+    return out.reshape(out.shape[0], -1), part
 
 
 def attention_decode_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
@@ -189,7 +202,7 @@ def attention_decode_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     attention output (written to `out` [B, H, D] when given, else to scratch). static_amax: fp32 tensor of
     one element on the GPU (a graph keeps reading it), or None for dynamic per-row amax.
     """
-    _, q_out, a_scale = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
+    _, q_out, a_scale, _ = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
                                       static_amax=static_amax, q_out=q_out, a_scale=a_scale)
     return q_out, a_scale
 
@@ -206,8 +219,9 @@ def _smem_per_sm(device: torch.device) -> int:
 
 def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant: bool,
                   static_amax=None, q_out=None, a_scale=None, splits: int | None = None,
-                  cos_sin: torch.Tensor | None = None, n_heads: int | None = None):
-    """q: the rotated query [B, H, D]; with cos_sin (RoPE mode), the fused QKV output [B, (H + 2 Hkv) D]."""
+                  cos_sin: torch.Tensor | None = None, n_heads: int | None = None, parts: bool = False):
+    """q: the rotated query [B, H, D]; with cos_sin (RoPE mode), the fused QKV output [B, (H + 2 Hkv) D].
+    -> (out, q_out, a_scale, part): part [B, units / B] of each unit's max |out| with `parts` (else None)."""
     rope = cos_sin is not None
     if rope:
         B, H, D, Hkv, L = _check_rope(q, cos_sin, n_heads, k_cache, v_cache, lengths, k_scale, v_scale)
@@ -232,8 +246,9 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
         if quant:
             q_out = out_or_new(q_out, (B, H * D), torch.int8, q, "q_out", align=16)
             a_scale = out_or_new(a_scale, (B,), torch.float32, q, "a_scale", align=4)
+        part = torch.empty((B, launch.units // max(B, 1)), dtype=torch.float32, device=q.device) if parts else None
         if B == 0:
-            return out, q_out, a_scale
+            return out, q_out, a_scale, part
         counts = counters.counters(COUNTER_POOL, q.device, launch.units + B)
         S = launch.splits
         part_o = part_ml = None  # a cluster combines in distributed shared memory
@@ -242,11 +257,11 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
             part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
         fn = build.get_function("attention_decode.cu", name + ("_cl" if launch.cluster else ""), SIGNATURE)
         fn((S, launch.units), (FUSED_THREADS,), out, q_out if quant else None, a_scale if quant else None,
-           static_amax if quant else None, part_o, part_ml, counts, None if rope else q, q if rope else None,
+           static_amax if quant else None, part, part_o, part_ml, counts, None if rope else q, q if rope else None,
            cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S, launch.span_tiles,
            cos_sin.shape[0] if rope else 0, math.log2(math.e) / math.sqrt(D), shared=launch.smem,
            cluster=(S, 1, 1) if launch.cluster else None)
-    return out, q_out, a_scale
+    return out, q_out, a_scale, part
 
 
 def attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,

@@ -21,14 +21,14 @@ import torch
 
 from kernels_cu import build, norm_fold
 from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_rope,
-                                         attention_decode_rope_quant)
+                                         attention_decode_rope_parts, attention_decode_rope_quant)
 from kernels_cu.attention_prefill import attention_prefill
 from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.awq_gemv import GEMV_MAX_M as AWQ_GEMV_MAX_M, awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.awq_gemv import folds as awq_folds
 from kernels_cu.embedding import embedding, embedding_fold
 from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
-from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.int8_gemm import XQ_MAX_ROWS, DeferredQuant, int8_gemm, int8_gemm_deferred, int8_swiglu
 from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.quantize import quantize
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
@@ -48,6 +48,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a b
 # A/B, H200: fp16 +1.7 / +1.4 / +0.5% at 1 / 4 / 8 rows, awq +2.6 / +3.1% at 1 / 4; H100: awq -0.3 / -3.0% at
 # 8 / 16 rows, fp16 -0.3% at 16: each consumer GEMV's blocks pay for the reduction, more of it with more rows)
 FOLD_MAX_ROWS = {"fp16": 8, "awq": 4}
+# The two int8 quantizations a deferring decode step (EngineConfig.defer_int8_quant) moves into the GEMVs: o_proj's
+# input (attention writes fp16 and each unit's max) and down_proj's (the SwiGLU in the gate|up GEMV's epilogue).
+# Module switches for A/B runs (engine_ab --switch engine.DEFER_SWIGLU).
+DEFER_ATTENTION = True
+DEFER_SWIGLU = True
 
 
 @contextmanager
@@ -142,7 +147,8 @@ class AwqOp:
 
 
 class Int8Op:
-    """y = (q_x @ Wq^T) * a_scale * w_scale (+ residual); takes the (q_x, a_scale) its producer made."""
+    """y = (q_x @ Wq^T) * a_scale * w_scale (+ residual); takes the (q_x, a_scale) its producer made, or a
+    DeferredQuant (fp16 x and its row maxima) that the GEMV quantizes itself."""
 
     int8 = True
     swiglu = False  # its down_proj needs the SwiGLU output quantized: silu_mul_quant does both
@@ -151,11 +157,18 @@ class Int8Op:
         self.qweight, self.w_scale = qweight, w_scale  # [N, K] int8, [N] fp32
         self.amax = amax  # [1] fp32 for static activations, None for per-token dynamic
 
-    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor], residual: torch.Tensor | None = None,
+    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor] | DeferredQuant, residual: torch.Tensor | None = None,
                  fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
         if fold_in is not None or fold_out is not None:
             raise DeviceError("int8 linears take their input quantized: no deferred RMSNorm")
+        if isinstance(xq, DeferredQuant):
+            return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual)
         return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual)
+
+    def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor]) -> DeferredQuant:
+        """A gate|up op (gate rows, then up rows) on a few rows: silu(gate) * up in fp16 with its row maxima,
+        for a down_proj that quantizes its input itself."""
+        return int8_swiglu(xq[0], xq[1], self.qweight, self.w_scale)
 
     def folds(self, m: int) -> bool:
         return False
@@ -232,6 +245,9 @@ class EngineConfig:
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
     fold_norms: bool = True  # small-batch decode (fp16, AWQ: FOLD_MAX_ROWS): RMSNorms deferred into the GEMVs
     fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
+    # small-batch int8 decode with dynamic activations (XQ_MAX_ROWS): the SwiGLU in the gate|up GEMV's epilogue,
+    # and o_proj / down_proj quantizing their inputs themselves (int8_gemm.DeferredQuant; the same bits)
+    defer_int8_quant: bool = True
 
 
 class Engine:
@@ -360,25 +376,37 @@ class Engine:
             return False
         return all(op.folds(m) for l in self.layers for op in (l.qkv, l.o, l.gate_up, l.down))
 
+    def _defers_quant(self, m: int) -> bool:
+        """Whether a decode step of m rows defers the int8 quantizations of the o_proj and down_proj inputs into
+        those GEMVs (int8 checkpoints with dynamic activations, up to XQ_MAX_ROWS rows, RoPE in attention)."""
+        if not (self.cfg.defer_int8_quant and self.cfg.fuse_rope) or m > XQ_MAX_ROWS:
+            return False
+        return all(l.o.int8 and l.gate_up.int8 and l.down.int8 and l.o.amax is None and l.down.amax is None
+                   for l in self.layers)
+
     def _layer(self, i: int, h: torch.Tensor, cache: GpuCache, attend,
-               fold: FoldOut | None = None) -> tuple[torch.Tensor, FoldOut | None]:
+               fold: FoldOut | None = None, defer: bool = False) -> tuple[torch.Tensor, FoldOut | None]:
         """h [T, H] fp16 -> (h [T, H], fold); attend(i, qkv [T, (nh + 2 nkv) d]) -> [T, nh * d] (RoPE, the
         K/V cache write and attention: one kernel in decode, rope_kv + SDPA in prefill).
 
         fold: h's deferred attn_norm (a folded decode step, norm_fold.py). The layer then defers its ffn_norm
-        too and returns the norm deferred after it (the next layer's attn_norm, or the final norm)."""
+        too and returns the norm deferred after it (the next layer's attn_norm, or the final norm).
+        defer: an int8 decode step whose down_proj quantizes its input (_defers_quant): the gate|up GEMV applies
+        the SwiGLU. attend(...) may return a DeferredQuant for o_proj likewise."""
         c, L = self.config, self.layers[i]
         T = h.shape[0]
         x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
         qkv = L.qkv(x, fold_in=fold_in)  # [T, (nh + 2 nkv) d]
-        o = attend(i, qkv)  # [T, nh * d], or already (q int8, a_scale) when attention quantized its output
-        if L.o.int8 and not isinstance(o, tuple):
+        o = attend(i, qkv)  # [T, nh * d], (q int8, a_scale) when attention quantized its output, or DeferredQuant
+        if L.o.int8 and isinstance(o, torch.Tensor):
             o = quantize(o, L.o.amax)
         ffn = FoldOut.new(L.ffn_norm, T) if fold is not None else None
         h = L.o(o, residual=h, fold_out=ffn)  # [T, H]
         x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn)
         if L.gate_up.swiglu:
             a = L.gate_up(x, fold_in=fold_in)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
+        elif defer:
+            a = L.gate_up.swiglu_deferred(x)  # DeferredQuant: silu(gate) * up [T, F] and its row maxima
         else:
             gu = L.gate_up(x, fold_in=fold_in)  # [T, 2F]
             a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
@@ -490,6 +518,8 @@ class Engine:
         lens = cache.lengths + 1  # [Bb] attention covers the new token
         c = self.config
         fold = None
+        defer = self._defers_quant(cache.bucket)
+        defer_o, defer_down = defer and DEFER_ATTENTION, defer and DEFER_SWIGLU
         if self._folds(cache.bucket):  # RMSNorms deferred into the GEMVs (norm_fold.py)
             h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm)  # [Bb, H]
         else:
@@ -499,6 +529,8 @@ class Engine:
             o_op = self.layers[i].o
             k, v, (ks, vs) = cache.k[i], cache.v[i], cache.scales(i)
             if self.cfg.fuse_rope:  # row b is cache row b (st["row"] is the identity) at position lens - 1 = pos
+                if defer_o:  # o_proj quantizes attention's output itself, from each unit's max |out|
+                    return DeferredQuant(*attention_decode_rope_parts(qkv, self.cos_sin, k, v, lens, c.n_heads, ks, vs))
                 if o_op.int8:  # one kernel: RoPE, the K/V write, attention and the o_proj input's quantization
                     return attention_decode_rope_quant(qkv, self.cos_sin, k, v, lens, c.n_heads, o_op.amax, ks, vs)
                 return attention_decode_rope(qkv, self.cos_sin, k, v, lens, c.n_heads, ks, vs).reshape(-1, c.q_size)
@@ -508,7 +540,7 @@ class Engine:
             return attention_decode(q, k, v, lens, ks, vs).reshape(-1, c.q_size)
 
         for i in range(c.n_layers):
-            h, fold = self._layer(i, h, cache, attend, fold)
+            h, fold = self._layer(i, h, cache, attend, fold, defer_down)
         logits = self._logits(h, fold)  # [Bb, V] fp16
         cache.lengths.add_(st["active"])  # only rows that decoded this step advance
         return logits

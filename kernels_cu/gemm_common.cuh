@@ -252,13 +252,24 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 struct NoHook {
     __device__ __forceinline__ void operator()() const {}
 };
+// Where the activations come from: global memory (read-only cached path), or shared memory that the block
+// filled itself in its after-wait hook (int8_gemv's deferred quantization).
+struct GlobalX {
+    __device__ __forceinline__ uint4 operator()(const void* p, bool ok) const { return ld_cached(p, ok); }
+};
+struct SharedX {
+    __device__ __forceinline__ uint4 operator()(const void* p, bool ok) const {
+        return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
+    }
+};
 template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, typename Mma,
-          typename AfterWait = NoHook>
+          typename AfterWait = NoHook, typename XLoad = GlobalX>
 __device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool lo_ok, bool hi_ok,
                                               const T* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
                                               int lane_k, int warp, Acc (&acc)[MT][4], Mma mma,
-                                              AfterWait after_wait = {}) {
+                                              AfterWait after_wait = {}, XLoad x_load = {}) {
     const int tiles = (K + TILE_K - 1) / TILE_K;
+    constexpr int STRIDE = WARPS * UNROLL;
     uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
     auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
 #pragma unroll
@@ -274,7 +285,7 @@ __device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool
         for (int u = 0; u < UNROLL; ++u) {
             const int k = (base + u) * TILE_K;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = ld_cached(x_row[mt] + k, k + lane_k < K && x_ok[mt]);
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = x_load(x_row[mt] + k, k + lane_k < K && x_ok[mt]);
         }
     };
     load_w(warp * UNROLL, wl, wh);
@@ -282,10 +293,10 @@ __device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool
     pdl_gemv_started();
     after_wait();
     load_x(warp * UNROLL, xv);
-    for (int base = warp * UNROLL; base < tiles; base += WARPS * UNROLL) {
+    for (int base = warp * UNROLL; base < tiles; base += STRIDE) {
         uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
-        load_w(base + WARPS * UNROLL, nl, nh);  // past the end: all guards false, no traffic
-        load_x(base + WARPS * UNROLL, nx);
+        load_w(base + STRIDE, nl, nh);  // past the end: all guards false, no traffic
+        load_x(base + STRIDE, nx);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
 #pragma unroll

@@ -9,6 +9,10 @@
 //   contiguous bytes are split 8 + 8 over the two mma (a0/a2 = bytes 0-3/4-7 then 8-11/12-15), and the
 //   activations are split the same way, which is all the dot product needs.
 //   grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
+// int8_gemv_mt{1,2}_silu: the same for the fused gate|up weight, with the SwiGLU and the row maxima for the down
+//   projection's deferred quantization in the epilogue (silu_mul_part's work).
+// int8_gemv_xq[_res]: the same with x in fp16 plus the partial maxima of each token's row: the block quantizes its
+//   rows itself (quantize_parts' work), see XqHook.
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
 #include "gemm_common.cuh"
@@ -21,23 +25,166 @@ constexpr int WARPS = 8;
 constexpr int UNROLL = 4;  // 64-wide k tiles in flight per warp: 8 x 16-byte weight loads per lane
 constexpr int TILE_K = 64;
 
-template <int MT, bool RESIDUAL>
-__device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* __restrict__ qx,
-                                          const float* __restrict__ a_scale, int a_stride,
-                                          const int8_t* __restrict__ qweight, const float* __restrict__ w_scale,
-                                          const __half* __restrict__ residual, int M, int N, int K) {
+// The deferred quantization (XQ entries): x arrives in fp16 with each token's row max as C partial maxima that
+// its producer wrote (part [M, C]: attention's units, the SwiGLU GEMV's blocks), or with a static amax when part
+// is null. After the PDL wait every block quantizes its (at most 8) token rows once into shared memory by
+// quantize.cu's rule; the max of the partial maxima is the row's max exactly, so q and a_scale are the bits the
+// quantize kernel would have written, and the kernel that wrote them is gone from the decode step. The main loop
+// then reads x from shared memory. Every block redoes the rows (K bytes each from L2), which is why the engine
+// uses this for a few rows only.
+struct XqHook {
+    int8_t* xs;      // [rows][K] shared
+    float* s_inv;    // [8] 127 / amax per row
+    float* s_scale;  // [8] a_scale = amax / 127
+    float* s_red;    // [8][WARPS]
+    const __half* x;
+    const float* part;
+    const float* static_amax;
+    int C, m0, rows, K;
+
+    // Every warp of every resident block runs this at once, so its instruction count is what it costs (the
+    // first version, with a division per element and a row select, added ~1 us per GEMV, H200): one row (the
+    // batch-1 decode) takes a path without index division.
+    __device__ __forceinline__ void operator()() const {
+        constexpr int NV = 8, THREADS = 32 * WARPS;
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int n8 = K / 8, total = rows * n8;  // 8-value chunks of the block's rows
+        // chunk c of the block: row c / n8 (0 for one row), column 8 (c % n8)
+        auto chunk_row = [&](int c) { return rows == 1 ? 0 : c / n8; };
+        auto chunk_off = [&](int c) { return rows == 1 ? (size_t)8 * c : (size_t)(c / n8) * K + 8 * (c % n8); };
+        Half8 v[NV];
+        // the first pass's values in flight while the maxima are read and reduced
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int c = tid + j * THREADS;
+            if (c < total) v[j] = load_half8(x + (size_t)m0 * K + chunk_off(c));
+        }
+        if (part != nullptr) {
+            // every row's maxima: the block's rows * C partials as one flat range (rows are contiguous in part),
+            // up to NV loads per thread in flight at once, each folded into its row's running max (the row is
+            // selected in an unrolled loop, so a[] stays in registers)
+            float a[8];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) a[r] = 0.0f;
+            const float* p0 = part + (size_t)m0 * C;
+            const int P = rows * C;
+            for (int base = 0; base < P; base += NV * THREADS) {
+                float pv[NV];
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    const int i = base + tid + j * THREADS;
+                    pv[j] = i < P ? p0[i] : 0.0f;
+                }
+                if (rows == 1) {  // block-uniform
+#pragma unroll
+                    for (int j = 0; j < NV; ++j) a[0] = fmaxf(a[0], pv[j]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < NV; ++j) {
+                        const int row = (base + tid + j * THREADS) / C;  // past P: row >= rows, ignored
+#pragma unroll
+                        for (int r = 0; r < 8; ++r) a[r] = row == r ? fmaxf(a[r], pv[j]) : a[r];
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                if (r >= rows) break;  // block-uniform
+                a[r] = warp_max(a[r]);
+                if (lane == 0) s_red[r * WARPS + warp] = a[r];
+            }
+        }
+        __syncthreads();
+        if (tid < rows) {
+            float amax = 0.0f;
+            if (part != nullptr) {
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, s_red[tid * WARPS + w]);
+            } else {
+                amax = *static_amax;
+            }
+            amax = clamp_amax(amax);
+            s_inv[tid] = __fdiv_rn(127.0f, amax);
+            s_scale[tid] = __fdiv_rn(amax, 127.0f);
+        }
+        __syncthreads();
+        const float inv0 = s_inv[0];
+        for (int base = 0; base < total; base += NV * THREADS) {
+            if (base > 0) {
+#pragma unroll
+                for (int j = 0; j < NV; ++j) {
+                    const int c = base + tid + j * THREADS;
+                    if (c < total) v[j] = load_half8(x + (size_t)m0 * K + chunk_off(c));
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = base + tid + j * THREADS;
+                if (c < total) {
+                    const float inv = rows == 1 ? inv0 : s_inv[chunk_row(c)];
+                    *reinterpret_cast<uint2*>(xs + chunk_off(c)) = quantize8(v[j], inv);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // quantize_i8's rule for 8 values, packed: clamping to [-127, 127] before the round-to-nearest-even
+    // conversion gives the same integer as rounding first (inside the range nothing changes; beyond it both
+    // give the bound; NaN gives -127 both ways), with one conversion instead of a round and a conversion.
+    __device__ __forceinline__ static uint2 quantize8(const Half8& h, float inv) {
+        int q[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            q[i] = __float2int_rn(fminf(fmaxf(__fmul_rn(half8_get(h, i), inv), -127.0f), 127.0f));
+        const uint32_t lo = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
+        const uint32_t hi = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
+        return make_uint2(lo, hi);
+    }
+};
+
+// EPI: 0 plain, 1 + residual, 2 SwiGLU for the down projection's deferred quantization: block b's mma rows g
+// are gate channel f = 8b + g (weight row f of the fused [2F, K] gate|up), rows g + 8 the same up channel (row
+// F + f), so y [M, F] = fp16(silu(fp16 gate)) * fp16 up (silu_mul.cu's rounding of the two GEMM outputs) and
+// part_out [M, F / 8] = max |y| over the block's 8 channels per token. N is F for EPI 2.
+// XQ: x16 + part_in / static_amax as above (MT = 1) instead of qx + a_scale.
+template <int MT, int EPI, bool XQ>
+__device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restrict__ part_out,
+                                          const int8_t* __restrict__ qx, const float* __restrict__ a_scale,
+                                          int a_stride, const __half* __restrict__ x16,
+                                          const float* __restrict__ part_in, int C,
+                                          const float* __restrict__ static_amax, const int8_t* __restrict__ qweight,
+                                          const float* __restrict__ w_scale, const __half* residual, int M, int N,
+                                          int K) {
+    static_assert(!XQ || MT == 1, "the deferred quantization holds 8 token rows");
     __shared__ int red[WARPS][MT][4][32];
+    __shared__ float s_inv[8], s_scale[8], s_red[8 * WARPS];
+    extern __shared__ __align__(16) int8_t xs[];  // XQ: [rows][K]
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16;
     const int m0 = blockIdx.y * 8 * MT;
+    const int rows = min(M - m0, 8 * MT);
 
-    const bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
-    const int8_t* w_lo = qweight + (size_t)(lo_ok ? n0 + g : 0) * K + 16 * t;
-    const int8_t* w_hi = qweight + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + 16 * t;
+    int lo_row, hi_row;
+    if (EPI == 2) {
+        lo_row = blockIdx.x * 8 + g;
+        hi_row = N + lo_row;
+    } else {
+        lo_row = blockIdx.x * 16 + g;
+        hi_row = lo_row + 8;
+    }
+    const int n_rows = EPI == 2 ? 2 * N : N;
+    const bool lo_ok = lo_row < n_rows, hi_ok = hi_row < n_rows;
+    const int8_t* w_lo = qweight + (size_t)(lo_ok ? lo_row : 0) * K + 16 * t;
+    const int8_t* w_hi = qweight + (size_t)(hi_ok ? hi_row : 0) * K + 16 * t;
     bool x_ok[MT];
     const int8_t* x_row[MT];
-    token_rows<MT>(qx, M, K, m0, g, 16 * t, x_ok, x_row);
+    if (XQ) {
+        x_ok[0] = g < rows;
+        x_row[0] = xs + (size_t)(x_ok[0] ? g : 0) * K + 16 * t;
+    } else {
+        token_rows<MT>(qx, M, K, m0, g, 16 * t, x_ok, x_row);
+    }
 
     int acc[MT][4];
 #pragma unroll
@@ -45,9 +192,16 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][r] = 0;
 
-    gemv_mainloop<WARPS, UNROLL, TILE_K>(w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 16 * t, warp, acc,
-                                         [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                            uint32_t b1) { mma_s8_16832(c, a0, a1, a2, a3, b0, b1); });
+    auto mma = [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+        mma_s8_16832(c, a0, a1, a2, a3, b0, b1);
+    };
+    if constexpr (XQ) {
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(
+            w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 16 * t, warp, acc, mma,
+            XqHook{xs, s_inv, s_scale, s_red, x16, part_in, static_amax, C, m0, rows, K}, SharedX{});
+    } else {
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 16 * t, warp, acc, mma);
+    }
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -58,14 +212,37 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, const int8_t* 
     // MT * 128 partial sums per warp; 256 threads take one each (MT <= 2).
     if (threadIdx.x >= MT * 128) return;
     const int mt = threadIdx.x >> 7, r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
-    int sum = 0;
+    auto red_sum = [&](int rr) {
+        int sum = 0;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) sum += red[w][mt][r][l];
-    const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
+        for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
+        return sum;
+    };
     const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+    auto scale_of = [&](int mm) { return XQ ? s_scale[mm - m0] : a_scale[(size_t)mm * a_stride]; };
+    if (EPI == 2) {  // warps r = 0, 1: gate channel g's sums (rows g) and the matching up sums (rows g + 8)
+        if (r >= 2) return;  // warp-uniform
+        const int f = blockIdx.x * 8 + (l >> 2);
+        float amax = 0.0f;
+        if (m < M) {
+            const float as = scale_of(m);
+            const __half gate = int8_epilogue(red_sum(r), as, w_scale[f], nullptr);
+            const __half up = int8_epilogue(red_sum(r + 2), as, w_scale[N + f], nullptr);
+            const __half a = __hmul_rn(silu_h(__half2float(gate)), up);
+            y[(size_t)m * N + f] = a;
+            amax = fabsf(__half2float(a));
+        }
+        // the token's max over the block's 8 channels: the lanes of equal l & 3
+        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 4));
+        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 8));
+        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 16));
+        if ((l >> 2) == 0 && m < M) part_out[(size_t)m * gridDim.x + blockIdx.x] = amax;
+        return;
+    }
+    const int n = blockIdx.x * 16 + (l >> 2) + (r >= 2 ? 8 : 0);
     if (n < N && m < M) {
         const size_t o = (size_t)m * N + n;
-        y[o] = int8_epilogue(sum, a_scale[(size_t)m * a_stride], w_scale[n], RESIDUAL ? residual + o : nullptr);
+        y[o] = int8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
     }
 }
 
@@ -90,19 +267,45 @@ __device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* 
 
 }  // namespace
 
-// Arguments of every gemv entry: (y fp16 [M,N], q_x int8 [M,K], a_scale f32 [M or 1], int a_stride (1 or 0),
+// Arguments of the plain gemv entries: (y fp16 [M,N], q_x int8 [M,K], a_scale f32 [M or 1], int a_stride (1 or 0),
 //   qweight int8 [N,K], w_scale f32 [N], residual fp16 [M,N] or null, int M, int N, int K)
-#define FLLAMA_INT8_GEMV(NAME, MT, RES)                                                                    \
+#define FLLAMA_INT8_GEMV(NAME, MT, EPI)                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,      \
              const float* w_scale, const __half* residual, int M, int N, int K) {                          \
-        int8_gemv<MT, RES>(y, qx, a_scale, a_stride, qweight, w_scale, residual, M, N, K);                 \
+        int8_gemv<MT, EPI, false>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, qweight, \
+                                  w_scale, residual, M, N, K);                                             \
     }
 
-FLLAMA_INT8_GEMV(int8_gemv_mt1, 1, false)
-FLLAMA_INT8_GEMV(int8_gemv_mt2, 2, false)
-FLLAMA_INT8_GEMV(int8_gemv_mt1_res, 1, true)
-FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, true)
+FLLAMA_INT8_GEMV(int8_gemv_mt1, 1, 0)
+FLLAMA_INT8_GEMV(int8_gemv_mt2, 2, 0)
+FLLAMA_INT8_GEMV(int8_gemv_mt1_res, 1, 1)
+FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, 1)
+
+// SwiGLU entries: (y fp16 [M,F], part f32 [M,F/8], q_x int8 [M,K], a_scale, int a_stride, qweight int8 [2F,K]
+//   (gate rows, then up rows), w_scale f32 [2F], int M, int F, int K); grid (F / 8, ceil(M / (8 MT))), block 256.
+#define FLLAMA_INT8_GEMV_SILU(NAME, MT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        NAME(__half* y, float* part, const int8_t* qx, const float* a_scale, int a_stride,                 \
+             const int8_t* qweight, const float* w_scale, int M, int F, int K) {                            \
+        int8_gemv<MT, 2, false>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, qweight,      \
+                                w_scale, nullptr, M, F, K);                                                 \
+    }
+FLLAMA_INT8_GEMV_SILU(int8_gemv_mt1_silu, 1)
+FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
+
+// Deferred-quantization entries: (y fp16 [M,N], x fp16 [M,K], part f32 [M,C] or null, int C, static_amax f32 [1]
+//   (with part null), qweight, w_scale, residual or null, int M, int N, int K); M <= 8 per grid row, dynamic
+//   shared memory min(M, 8) * K bytes.
+#define FLLAMA_INT8_GEMV_XQ(NAME, EPI)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+        NAME(__half* y, const __half* x, const float* part, int C, const float* static_amax,              \
+             const int8_t* qweight, const float* w_scale, const __half* residual, int M, int N, int K) {    \
+        int8_gemv<1, EPI, true>(y, nullptr, nullptr, nullptr, 0, x, part, C, static_amax, qweight, w_scale, \
+                                residual, M, N, K);                                                         \
+    }
+FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0)
+FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1)
 
 // (y fp16 [M,N], acc int32 [M,N], a_scale f32 [M or 1], int a_stride, w_scale f32 [N], residual or null, M, N)
 #define FLLAMA_INT8_DEQUANT(NAME, RES)                                                                     \

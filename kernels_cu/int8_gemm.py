@@ -7,18 +7,106 @@ M <= 16 (decode): int8_gemv, a memory-bound tensor-core kernel that reads each w
 On Hopper, where its grid fills the SMs: int8_wgmma.cu, a wgmma GEMM with the epilogue fused. Other M > 16:
 torch._int_mm (cuBLASLt int8, needs M > 16 and K, N multiples of 8) and the dequant epilogue kernel.
 a_scale holds one scale per token [M] or one for the tensor [1].
+
+Deferred quantization (decode, a few rows): `int8_swiglu` writes the SwiGLU of the gate|up product in fp16
+with each block's row maxima, and `int8_gemm` given a `DeferredQuant` (fp16 x + the partial maxima that its
+producer wrote: int8_swiglu, or attention_decode_rope_parts) quantizes x inside the GEMV, by quantize.py's rule
+with the same bits, so neither silu_mul_part nor quantize_parts (nor attention's own quantization round) runs.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from calibrate.int8 import int8_gemm_ref as _contract_gemm
 from kernels_cu import build, int8_wgmma
-from kernels_cu.checks import check_multiple, check_tensor, out_or_new
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, cdiv, gemv_grid, token_tile
 
 DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faster one there anyway
+# Rows up to which the decode step defers its int8 quantizations into the GEMVs (engine A/B, LLaMA-2-7B, H200:
+# +1.8% at one row, -5% at two, -12% at four). Every block of the GEMV reads and quantizes the whole rows at its
+# start, all blocks at once, so the prologue grows with the rows (docs/gpu.md step 15); the kernels take up to 8.
+XQ_MAX_ROWS = 1
+XQ_KERNEL_ROWS = 8
+
+
+@dataclass(frozen=True)
+class DeferredQuant:
+    """An int8 GEMM input not yet quantized: x fp16 [M, K] and its row maxima as partial maxima part fp32 [M, C]
+    (the max over each row of part is max |x| of that row), or, with part None, a static amax fp32 [1]."""
+
+    x: torch.Tensor
+    part: torch.Tensor | None
+    static_amax: torch.Tensor | None = None
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q int8 [M, K], a_scale fp32 [M]) as quantize() gives for x (the row maxima found again), for a
+        consumer that does not take the deferred form."""
+        from kernels_cu.quantize import quantize
+
+        return quantize(self.x, self.static_amax if self.part is None else None)
+
+
+def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.Tensor,
+                       residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int8_gemm of an input whose quantization was deferred: the GEMV quantizes it (up to XQ_KERNEL_ROWS rows),
+    the same bits as int8_gemm(*quantize(x)); more rows are quantized first."""
+    x, part = xq.x, xq.part
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got {tuple(x.shape)}")
+    M, K = x.shape
+    if M > XQ_KERNEL_ROWS:
+        return int8_gemm(*xq.quantized(), qweight, w_scale, residual, out)
+    N = qweight.shape[0] if qweight.dim() == 2 else -1
+    if qweight.dim() != 2 or qweight.shape[1] != K:
+        raise ValueError(f"x has K={K} but qweight is {tuple(qweight.shape)}")
+    check_multiple(K, 16, "the int8 GEMM's K")
+    check_tensor(x, "x", torch.float16, align=16)
+    check_tensor(qweight, "qweight", torch.int8)
+    check_tensor(w_scale, "w_scale", torch.float32, (N,), align=16)
+    if residual is not None:
+        check_tensor(residual, "residual", torch.float16, (M, N), align=8)
+    if part is not None:
+        if part.dim() != 2 or part.shape[0] != M or part.shape[1] == 0:
+            raise ValueError(f"part must be [{M}, C] with C > 0, got {tuple(part.shape)}")
+        check_tensor(part, "part", torch.float32, align=4)
+    elif xq.static_amax is None:
+        raise ValueError("a deferred quantization needs partial maxima or a static amax")
+    else:
+        check_static_amax(xq.static_amax)
+    with build.on_stream():
+        y = out_or_new(out, (M, N), torch.float16, x, "out", align=8)
+        if M == 0 or N == 0:
+            return y
+        res = "_res" if residual is not None else ""
+        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", "PPPiPPPPiii")
+        fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1],
+           xq.static_amax if part is None else None, qweight, w_scale, residual, M, N, K, shared=M * K)
+    return y
+
+
+def int8_swiglu(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor,
+                w_scale: torch.Tensor) -> DeferredQuant:
+    """The gate|up GEMV with the SwiGLU in its epilogue, for M <= DECODE_MAX_M: q_x int8 [M, K], qweight int8
+    [2F, K] (gate rows, then up rows), w_scale [2F] -> DeferredQuant(silu(gate) * up fp16 [M, F], part [M, F / 8]).
+    The fp16 values are silu_mul(int8_gemm(...))'s bits."""
+    M, K, N2 = _check(q_x, a_scale, qweight, w_scale, None)
+    if M > DECODE_MAX_M:
+        raise ValueError(f"int8_swiglu runs the GEMV: at most {DECODE_MAX_M} rows, got {M}")
+    check_multiple(N2, 16, "a fused gate|up weight's rows")
+    F = N2 // 2
+    with build.on_stream():
+        y = torch.empty((M, F), dtype=torch.float16, device=q_x.device)  # [M, F]
+        part = torch.empty((M, F // 8), dtype=torch.float32, device=q_x.device)  # [M, F / 8]
+        if M:
+            mt = token_tile(M)
+            fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{mt}_silu", "PPPPiPPiii")
+            fn((F // 8, cdiv(M, 8 * mt)), (GEMV_THREADS,), y, part, q_x, a_scale,
+               1 if a_scale.numel() == M else 0, qweight, w_scale, M, F, K)
+    return DeferredQuant(y, part)
 
 
 def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,

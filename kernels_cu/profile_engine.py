@@ -22,11 +22,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--fold-norms", action=argparse.BooleanOptionalAction, default=True,
                     help="decode RMSNorms deferred into the GEMVs (EngineConfig.fold_norms)")
+    ap.add_argument("--defer-int8-quant", action=argparse.BooleanOptionalAction, default=True,
+                    help="int8 decode quantizes inside the GEMVs (EngineConfig.defer_int8_quant)")
     ap.add_argument("--skip-prefill", action="store_true", help="profile the decode steps only")
     args = ap.parse_args()
     dev = torch.device("cuda")
     engine = Engine(random_weights(LlamaConfig.from_name(args.model), args.scheme, dev),
-                    EngineConfig(max_len=args.tokens + 64, fold_norms=args.fold_norms))
+                    EngineConfig(max_len=args.tokens + 64, fold_norms=args.fold_norms,
+                                 defer_int8_quant=args.defer_int8_quant))
     prompt = torch.randint(0, engine.config.vocab_size, (1, args.tokens))
     engine.forward(prompt, engine.new_cache(1, args.tokens + 8))  # warm-up
     sampler = engine.make_sampler(SamplingConfig(temperature=0), args.batch)

@@ -331,7 +331,7 @@ def launch_rope(case: RopeCase, variant: str, new: bool, chunk=None):
 
 
 def assert_same(got, want, what: str) -> None:
-    for name, a, b in zip(("out", "q_out", "a_scale"), got, want):
+    for name, a, b in zip(("out", "q_out | part", "a_scale"), got, want):
         assert_equal(a, b, f"{what}: {name}")
 
 
@@ -479,7 +479,7 @@ def test_prefill_last_query_equals_decode():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and build.has_clusters(torch.cuda.current_device())),
                     reason="thread-block clusters need sm_90")
-@pytest.mark.parametrize("variant", ["plain", "dynamic", "static"])
+@pytest.mark.parametrize("variant", ["plain", "dynamic", "static", "parts"])
 @pytest.mark.parametrize("D,int8,H,Hkv,lengths", [
     (128, False, 32, 32, [576]),              # LLaMA-2-7B batch 1: 12 splits, one cluster per head
     (128, True, 32, 32, [577]),
@@ -497,7 +497,8 @@ def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, 
     k, v, ks, vs = make_cache(B, Hkv, L, D, lens.cpu(), int8, seed=D + H)
     q = randn(B, H, D, seed=7)
     case = RopeCase(H, Hkv, D, L, lengths, int8, seed=B * D + H)
-    quant = variant != "plain"
+    quant = variant in ("dynamic", "static")
+    parts = variant == "parts"  # each unit's max |out| for an o_proj that quantizes its input (int8_gemm.py)
     S = None
 
     def run(clusters: bool, rope: bool):
@@ -507,10 +508,14 @@ def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, 
         if rope:  # each path on its own copy of the caches
             kc, vc, ksc, vsc = case.new if clusters else case.old
             got = ad._launch_fused(case.qkv, kc, vc, case.lengths, ksc, vsc, out, None, quant, static_amax=amax,
-                                   splits=S, cos_sin=case.cos_sin, n_heads=H)
+                                   splits=S, cos_sin=case.cos_sin, n_heads=H, parts=parts)
         else:
-            got = ad._launch_fused(q, k, v, lens, ks, vs, out, None, quant, static_amax=amax, splits=S)
-        return got if quant else got[:1]
+            got = ad._launch_fused(q, k, v, lens, ks, vs, out, None, quant, static_amax=amax, splits=S, parts=parts)
+        if parts:
+            unit_max = got[0].float().abs().reshape(B, got[3].shape[1], -1).amax(dim=2)  # [B, units of a row]
+            assert_equal(got[3], unit_max, "each unit's max |out|")
+            return got[:1] + (got[3],)
+        return got[:3] if quant else got[:1]
 
     cl_fn = build.get_function("attention_decode.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
     before = cl_fn.cluster_launches

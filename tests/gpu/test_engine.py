@@ -225,3 +225,28 @@ def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
     assert torch.equal(logits[0], logits[1])
     for a, b in zip(*caches):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name,rows", [("gqa4-d64", 3), ("smol-like", 1), ("mha-d128", 8)])
+def test_deferred_int8_quantization_gives_the_same_bits(name, rows, monkeypatch):
+    """int8 decode with the SwiGLU in the gate|up GEMV and o_proj / down_proj quantizing their own inputs (the
+    default up to XQ_MAX_ROWS rows; here up to the kernels' 8) against the kernels that quantize first: the same
+    logits bit for bit, in graph replays and eager steps; more rows, or static activations, keep the quantize
+    kernels."""
+    from kernels_cu import engine, int8_gemm
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS[name]
+    w = checkpoint(config, "int8-dynamic")
+    deferred, plain = Engine(w, EngineConfig(max_len=64)), Engine(w, EngineConfig(max_len=64, defer_int8_quant=False))
+    assert deferred._defers_quant(1) and not deferred._defers_quant(int8_gemm.XQ_MAX_ROWS + 1)
+    monkeypatch.setattr(engine, "XQ_MAX_ROWS", int8_gemm.XQ_KERNEL_ROWS)
+    assert deferred._defers_quant(rows)
+    assert not plain._defers_quant(1)
+    assert not Engine(checkpoint(config, "int8-static"), EngineConfig(max_len=64))._defers_quant(1)
+    tokens = torch.randint(0, config.vocab_size, (rows, 12), generator=torch.Generator().manual_seed(6))
+    outs = [decode_steps(eng, tokens, 7, max_len=32)[0] for eng in (deferred, plain)]
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    eager, _ = decode_steps(Engine(w, EngineConfig(max_len=64, use_graphs=False)), tokens, 7, max_len=32)
+    assert torch.equal(eager, outs[0])
