@@ -160,7 +160,7 @@ def attention_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: tor
     for bit, caches included (k_cache / v_cache, and k_scale / v_scale for int8, are written in place).
     """
     out, _, _, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False,
-                              cos_sin=cos_sin, n_heads=n_heads)
+                                 cos_sin=cos_sin, n_heads=n_heads)
     return out
 
 
@@ -172,9 +172,9 @@ def attention_decode_rope_quant(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cach
                                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_decode_rope with the output quantized per token -> (q_out int8 [B, H * D], a_scale fp32 [B]),
     as attention_decode_quant quantizes it."""
-    _, q_out, a_scale, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
-                                      static_amax=static_amax, q_out=q_out, a_scale=a_scale, cos_sin=cos_sin,
-                                      n_heads=n_heads)
+    _, q_out, a_scale, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk,
+                                         quant=True, static_amax=static_amax, q_out=q_out, a_scale=a_scale,
+                                         cos_sin=cos_sin, n_heads=n_heads)
     return q_out, a_scale
 
 
@@ -203,7 +203,7 @@ def attention_decode_quant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     one element on the GPU (a graph keeps reading it), or None for dynamic per-row amax.
     """
     _, q_out, a_scale, _ = _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=True,
-                                      static_amax=static_amax, q_out=q_out, a_scale=a_scale)
+                                         static_amax=static_amax, q_out=q_out, a_scale=a_scale)
     return q_out, a_scale
 
 

@@ -151,7 +151,7 @@ class Int8Op:
     DeferredQuant (fp16 x and its row maxima) that the GEMV quantizes itself."""
 
     int8 = True
-    swiglu = False  # its down_proj needs the SwiGLU output quantized: silu_mul_quant does both
+    swiglu = False  # its down_proj takes the SwiGLU output quantized: silu_mul_quant, or swiglu_deferred at one row
 
     def __init__(self, qweight: torch.Tensor, w_scale: torch.Tensor, amax: torch.Tensor | None):
         self.qweight, self.w_scale = qweight, w_scale  # [N, K] int8, [N] fp32
@@ -245,7 +245,7 @@ class EngineConfig:
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
     fold_norms: bool = True  # small-batch decode (fp16, AWQ: FOLD_MAX_ROWS): RMSNorms deferred into the GEMVs
     fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
-    # small-batch int8 decode with dynamic activations (XQ_MAX_ROWS): the SwiGLU in the gate|up GEMV's epilogue,
+    # int8 decode of up to XQ_MAX_ROWS (1) rows with dynamic activations: the SwiGLU in the gate|up GEMV's epilogue,
     # and o_proj / down_proj quantizing their inputs themselves (int8_gemm.DeferredQuant; the same bits)
     defer_int8_quant: bool = True
 

@@ -30,8 +30,8 @@ constexpr int TILE_K = 64;
 // is null. After the PDL wait every block quantizes its (at most 8) token rows once into shared memory by
 // quantize.cu's rule; the max of the partial maxima is the row's max exactly, so q and a_scale are the bits the
 // quantize kernel would have written, and the kernel that wrote them is gone from the decode step. The main loop
-// then reads x from shared memory. Every block redoes the rows (K bytes each from L2), which is why the engine
-// uses this for a few rows only.
+// then reads x from shared memory. Every block redoes the rows (2 K bytes each from L2, all blocks at once), which
+// is why the engine uses this for one row only (int8_gemm.py XQ_MAX_ROWS).
 struct XqHook {
     int8_t* xs;      // [rows][K] shared
     float* s_inv;    // [8] 127 / amax per row
@@ -43,8 +43,8 @@ struct XqHook {
     int C, m0, rows, K;
 
     // Every warp of every resident block runs this at once, so its instruction count is what it costs (the
-    // first version, with a division per element and a row select, added ~1 us per GEMV, H200): one row (the
-    // batch-1 decode) takes a path without index division.
+    // first version, with a division per element and a row select, cost 0.8 us more per GEMV on an H200): one
+    // row (the batch-1 decode) takes a path without index division.
     __device__ __forceinline__ void operator()() const {
         constexpr int NV = 8, THREADS = 32 * WARPS;
         const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

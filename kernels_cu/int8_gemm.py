@@ -24,6 +24,7 @@ from calibrate.int8 import int8_gemm_ref as _contract_gemm
 from kernels_cu import build, int8_wgmma
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, cdiv, gemv_grid, token_tile
+from kernels_cu.quantize import quantize
 
 DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faster one there anyway
 # Rows up to which the decode step defers its int8 quantizations into the GEMVs (engine A/B, LLaMA-2-7B, H200:
@@ -45,8 +46,6 @@ class DeferredQuant:
     def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [M, K], a_scale fp32 [M]) as quantize() gives for x (the row maxima found again), for a
         consumer that does not take the deferred form."""
-        from kernels_cu.quantize import quantize
-
         return quantize(self.x, self.static_amax if self.part is None else None)
 
 
