@@ -28,9 +28,9 @@ constexpr int TILE_K = 64;
 // The deferred quantization (XQ entries): x arrives in fp16 with each token's row max as C partial maxima that
 // its producer wrote (part [M, C]: attention's units, the SwiGLU GEMV's blocks), or with a static amax when part
 // is null. After the PDL wait every block quantizes its (at most 8) token rows once into shared memory by
-// quantize.cu's rule; the max of the partial maxima is the row's max exactly, so q and a_scale are the bits the
-// quantize kernel would have written, and the kernel that wrote them is gone from the decode step. The main loop
-// then reads x from shared memory. Every block redoes the rows (2 K bytes each from L2, all blocks at once), which
+// quantize.cu's rule (quantize_store8); the max of the partial maxima is the row's max exactly, so q and a_scale
+// are the bits the quantize kernel would have written, and the kernel that wrote them is gone from the decode
+// step. The main loop then reads x from shared memory. Every block redoes the rows (2 K bytes each from L2, all blocks at once), which
 // is why the engine uses this for one row only (int8_gemm.py XQ_MAX_ROWS).
 struct XqHook {
     int8_t* xs;      // [rows][K] shared
@@ -122,24 +122,11 @@ struct XqHook {
                 const int c = base + tid + j * THREADS;
                 if (c < total) {
                     const float inv = rows == 1 ? inv0 : s_inv[chunk_row(c)];
-                    *reinterpret_cast<uint2*>(xs + chunk_off(c)) = quantize8(v[j], inv);
+                    quantize_store8(xs + chunk_off(c), v[j], inv);
                 }
             }
         }
         __syncthreads();
-    }
-
-    // quantize_i8's rule for 8 values, packed: clamping to [-127, 127] before the round-to-nearest-even
-    // conversion gives the same integer as rounding first (inside the range nothing changes; beyond it both
-    // give the bound; NaN gives -127 both ways), with one conversion instead of a round and a conversion.
-    __device__ __forceinline__ static uint2 quantize8(const Half8& h, float inv) {
-        int q[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            q[i] = __float2int_rn(fminf(fmaxf(__fmul_rn(half8_get(h, i), inv), -127.0f), 127.0f));
-        const uint32_t lo = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
-        const uint32_t hi = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
-        return make_uint2(lo, hi);
     }
 };
 

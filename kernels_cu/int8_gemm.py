@@ -59,15 +59,8 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
     M, K = x.shape
     if M > XQ_KERNEL_ROWS:
         return int8_gemm(*xq.quantized(), qweight, w_scale, residual, out)
-    N = qweight.shape[0] if qweight.dim() == 2 else -1
-    if qweight.dim() != 2 or qweight.shape[1] != K:
-        raise ValueError(f"x has K={K} but qweight is {tuple(qweight.shape)}")
-    check_multiple(K, 16, "the int8 GEMM's K")
+    N = _check_weight("x", M, K, qweight, w_scale, residual)
     check_tensor(x, "x", torch.float16, align=16)
-    check_tensor(qweight, "qweight", torch.int8)
-    check_tensor(w_scale, "w_scale", torch.float32, (N,), align=16)
-    if residual is not None:
-        check_tensor(residual, "residual", torch.float16, (M, N), align=8)
     if part is not None:
         if part.dim() != 2 or part.shape[0] != M or part.shape[1] == 0:
             raise ValueError(f"part must be [{M}, C] with C > 0, got {tuple(part.shape)}")
@@ -147,19 +140,28 @@ def int8_gemm_ref(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tenso
 
 
 def _check(q_x, a_scale, qweight, w_scale, residual) -> tuple[int, int, int]:
-    if q_x.dim() != 2 or qweight.dim() != 2:
-        raise ValueError(f"q_x and qweight must be 2-D, got {tuple(q_x.shape)} and {tuple(qweight.shape)}")
+    if q_x.dim() != 2:
+        raise ValueError(f"q_x must be 2-D, got {tuple(q_x.shape)}")
     M, K = q_x.shape
-    N = qweight.shape[0]
-    if qweight.shape[1] != K:
-        raise ValueError(f"q_x has K={K} but qweight is {tuple(qweight.shape)}")
-    check_multiple(K, 16, "the int8 GEMM's K")
+    N = _check_weight("q_x", M, K, qweight, w_scale, residual)
     check_tensor(q_x, "q_x", torch.int8)
-    check_tensor(qweight, "qweight", torch.int8)
     if a_scale.numel() not in (M, 1):
         raise ValueError(f"a_scale must hold {M} per-token scales or 1 per-tensor scale, got {a_scale.numel()}")
     check_tensor(a_scale, "a_scale", torch.float32, align=4)
+    return M, K, N
+
+
+def _check_weight(x_name: str, M: int, K: int, qweight, w_scale, residual) -> int:
+    """The weight side of an int8 GEMM whose input `x_name` is [M, K]: qweight int8 [N, K], w_scale [N], the
+    residual [M, N] -> N."""
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-D, got {tuple(qweight.shape)}")
+    N = qweight.shape[0]
+    if qweight.shape[1] != K:
+        raise ValueError(f"{x_name} has K={K} but qweight is {tuple(qweight.shape)}")
+    check_multiple(K, 16, "the int8 GEMM's K")
+    check_tensor(qweight, "qweight", torch.int8)
     check_tensor(w_scale, "w_scale", torch.float32, (N,), align=16)
     if residual is not None:
         check_tensor(residual, "residual", torch.float16, (M, N), align=8)
-    return M, K, N
+    return N

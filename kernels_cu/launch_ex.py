@@ -74,6 +74,12 @@ def _lib() -> ctypes.CDLL:
             lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
                                             ctypes.c_void_p, ctypes.c_void_p]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                         ctypes.POINTER(LaunchConfig)]
+            u64, u32, i32 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int  # tensor_map.encode_2d
+            lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, i32, u32, ctypes.c_void_p, ctypes.POINTER(u64),
+                                                   ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32),
+                                                   i32, i32, i32, i32]
             _state["lib"] = lib
             _state["modules"] = {}
         return _state["lib"]
@@ -123,8 +129,6 @@ def max_active_clusters(fn: int, grid: tuple[int, int, int], block: tuple[int, i
                         cluster: tuple[int, int, int]) -> int:
     """cuOccupancyMaxActiveClusters: how many clusters of this launch the GPU holds at once."""
     lib = _lib()
-    lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                 ctypes.POINTER(LaunchConfig)]
     attrs = (LaunchAttribute * 2)()
     n = _cluster_attrs(attrs, 0, cluster)
     cfg = LaunchConfig(gridDimX=grid[0], gridDimY=grid[1], gridDimZ=grid[2], blockDimX=block[0], blockDimY=block[1],

@@ -44,11 +44,8 @@ def encode_2d(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: int = 128)
         raise ValueError(f"a tensor map needs 16-byte aligned rows and base (cols={cols}, {t.dtype})")
     if swizzle and box_cols * esize > swizzle:
         raise ValueError(f"a {swizzle}-byte swizzle takes boxes of at most {swizzle} bytes a row")
-    lib = launch_ex._lib()
-    fn = lib.cuTensorMapEncodeTiled
+    fn = launch_ex._lib().cuTensorMapEncodeTiled  # argtypes set once there
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64), ctypes.POINTER(u64),
-                   ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     out = (ctypes.c_uint8 * MAP_BYTES)()
     dims = (u64 * 2)(cols, rows)
     strides = (u64 * 1)(cols * esize)
