@@ -280,20 +280,46 @@ extern "C" __global__ void __launch_bounds__(128)
 //   batch 1: S = 10, the most whose 32 clusters are all resident at once; attention_decode.py picks S).
 //   Step 3 then needs no global round trips: each block leaves its (O, m, l) in its own
 //   shared memory, the cluster meets at a barrier (release / acquire), block 0 reads the partials through
-//   distributed shared memory (ld.shared::cluster) and combines them in split order (the same arithmetic as
-//   the workspace path, so the same bits), and a second barrier keeps every block's shared memory alive until
-//   block 0 has read it. No fence, no counter, no workspace. Blocks past the row's end take part in both
+//   distributed shared memory (ld.shared::cluster: every thread issues all its loads at once, one round trip)
+//   and combines them in split order (the same arithmetic as the workspace path, so the same bits), and a
+//   second barrier keeps every block's shared memory alive until block 0 has read it. No fence, no counter, no workspace. Blocks past the row's end take part in both
 //   barriers (a cluster barrier counts every thread of every block) and exit.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
 //   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
 //   token sits at p = lengths[b] - 1 (cache row b). Every block rotates the query heads it needs itself,
 //   once its stage-0 copies are issued (the loads' latency then overlaps the stream). The unit's last
 //   active block (its range ends at the row's length, so its last stage holds p) rotates k, quantizes k
-//   and v for an int8 cache, and stores them at p before any copy of that stage is issued: ahead of stage
-//   0 when that is the last stage (then a barrier), else while stage 0 streams (the loop's barriers order
-//   the stores before the later stages' copies). Head groups of one kv head (HG > 1) each store the same
+//   and v for an int8 cache, and stores them at p. When p's stage is stage 0 (the only one: short contexts,
+//   the common decode case) p gets no copy and the same bytes go straight into the stage's row, so this
+//   block, which every cluster waits for, issues its copies without first waiting for the store (the probe
+//   had it ~0.5 us behind the others); else the store happens while stage 0 streams and the loop's barriers
+//   order it before the last stage's copies. Head groups of one kv head (HG > 1) each store the same
 //   bytes, so no block reads another block's store. rope_kv's guards with pos = p: p outside the cos/sin
 //   table -> q = 0 and no store; p >= L or an empty row -> no store.
+// Timing probe (-DFLLAMA_ATTN_PROBE, never in the engine's build): thread 0 of each fused block stamps
+// %globaltimer at its phases into fllama_attn_probe[block][phase] (phase 9: the SM), read back by
+// kernels_cu.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
+// 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit.
+#ifdef FLLAMA_ATTN_PROBE
+__device__ unsigned long long fllama_attn_probe[8192][10];
+__device__ __forceinline__ void attn_stamp(int phase) {
+    if (threadIdx.x != 0) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const unsigned blk = blockIdx.y * gridDim.x + blockIdx.x;
+    if (blk < 8192) {
+        fllama_attn_probe[blk][phase] = t;
+        if (phase == 0) {
+            unsigned sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            fllama_attn_probe[blk][9] = sm;
+        }
+    }
+}
+#else
+__device__ __forceinline__ void attn_stamp(int) {}
+#endif
+
 namespace fused {
 
 constexpr int WARPS = 4;
@@ -359,17 +385,19 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& r0, uint3
                  : "memory");
 }
 
-// Copies of stage positions [p0, p0 + STAGE) of one (row, kv head) into buf; zero past `hi`.
+// Copies of stage positions [p0, p0 + STAGE) of one (row, kv head) into buf; zero past `hi`. Position
+// `skip` (-1: none) gets no copy at all: the block writes that row itself (RoPE mode's new token).
 template <int D, bool KV8>
 __device__ __forceinline__ void issue_stage(unsigned char* buf, const void* k_cache, const void* v_cache,
                                             const float* k_scale, const float* v_scale, size_t row0, int p0,
-                                            int hi) {
+                                            int hi, int skip = -1) {
     using G = Geom<D, KV8>;
     const int tid = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < G::PER_THREAD; ++i) {
         const int idx = tid + i * THREADS, p = idx / G::CHUNKS, c = idx % G::CHUNKS;
         const bool ok = p0 + p < hi;
+        if (p0 + p == skip) continue;
         const size_t off = (row0 + (ok ? p0 + p : 0)) * G::RB + 16 * c;  // a valid address even when !ok
         cp_async16(buf + p * G::ROW + 16 * c, static_cast<const char*>(k_cache) + off, ok);
         cp_async16(buf + G::KV_BYTES + p * G::ROW + 16 * c, static_cast<const char*>(v_cache) + off, ok);
@@ -379,7 +407,7 @@ __device__ __forceinline__ void issue_stage(unsigned char* buf, const void* k_ca
         const int p = tid % STAGE;
         const bool ok = p0 + p < hi;
         const float* src = (tid < STAGE ? k_scale : v_scale) + row0 + (ok ? p0 + p : 0);
-        cp_async4(scales + tid, src, ok);
+        if (p0 + p != skip) cp_async4(scales + tid, src, ok);
     }
 }
 
@@ -454,26 +482,40 @@ __device__ __forceinline__ void rope_query(uint32_t (&qb)[D / 16][2], const uint
 
 // RoPE mode: the new token's k (rotated) and v of one kv head into cache slot `slot`, as rope_kv.cu stores
 // them. One warp; lane u < G = D / 16 takes k's chunk u, lane G + u v's chunk u (dims [8u, 8u + 8) and
-// [D/2 + 8u, D/2 + 8u + 8)).
+// [D/2 + 8u, D/2 + 8u + 8)): load_new_kv issues the loads (with the query's, so that their round trip overlaps
+// the stage copies), store_new_kv rotates and stores. With `stage` non-null, the same bytes also go to row
+// `srow` of that shared-memory stage (issue_stage's layout), which then needs no copy of this position.
+template <int D>
+__device__ __forceinline__ void load_new_kv(const __half* k_src, const __half* v_src, Half8& lo, Half8& hi) {
+    constexpr int G = D / 16;
+    const int lane = threadIdx.x & 31, g = lane % G;
+    if (lane < 2 * G) {
+        const __half* src = lane >= G ? v_src : k_src;
+        lo = load_half8(src + 8 * g);
+        hi = load_half8(src + D / 2 + 8 * g);
+    }
+}
 template <int D, bool KV8>
-__device__ __forceinline__ void store_new_kv(const __half* k_src, const __half* v_src, const float* cs_row,
-                                             void* k_cache, void* v_cache, float* k_scale, float* v_scale,
-                                             size_t slot) {
+__device__ __forceinline__ void store_new_kv(Half8 lo, Half8 hi, const float* cs_row, void* k_cache, void* v_cache,
+                                             float* k_scale, float* v_scale, size_t slot,
+                                             unsigned char* stage = nullptr, int srow = 0) {
+    using Gm = Geom<D, KV8>;
+    unsigned char* sk = stage;
+    unsigned char* sv = stage + Gm::KV_BYTES;
     constexpr int G = D / 16;
     const int lane = threadIdx.x & 31, g = lane % G;
     const bool active = lane < 2 * G, is_v = lane >= G;
-    Half8 lo, hi;
-    if (active) {
-        const __half* src = is_v ? v_src : k_src;
-        lo = load_half8(src + 8 * g);
-        hi = load_half8(src + D / 2 + 8 * g);
-        if (!is_v) rotate8(lo, hi, cs_row, g, D / 2);
-    }
+    if (active && !is_v) rotate8(lo, hi, cs_row, g, D / 2);
     if (!KV8) {
         if (active) store_head_f16(k_cache, v_cache, is_v, slot, D, D / 2, lo, hi, g);
+        if (active && stage != nullptr) store_head_f16(sk, sv, is_v, srow, Gm::ROW / 2, D / 2, lo, hi, g);
     } else {
         const float m = head_absmax(lo, hi, active, G);
         if (active) store_head_i8(k_cache, v_cache, k_scale, v_scale, is_v, slot, D, D / 2, lo, hi, m, g);
+        if (active && stage != nullptr) {
+            float* scales = reinterpret_cast<float*>(stage + 2 * Gm::KV_BYTES);  // [k: STAGE | v: STAGE]
+            store_head_i8(sk, sv, scales, scales + STAGE, is_v, srow, Gm::ROW, D / 2, lo, hi, m, g);
+        }
     }
 }
 
@@ -505,6 +547,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     const int ntiles = (len + 15) / 16;
     const int tps = span_tiles > 0 ? span_tiles : max(1, (ntiles + S - 1) / S);
     const int n_act = len > 0 ? (ntiles + tps - 1) / tps : 1;  // an empty row: block 0 writes zeros
+    attn_stamp(1);
     if (split >= n_act) {  // whole block, before any barrier (CL: after the cluster's two)
         if (CL) {
             cluster_sync();
@@ -552,10 +595,19 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             if (qkv != nullptr) rope_query_load<D, KV8>(qp, cs4, qrow, qok, cs_row, lane);
         }
         const bool new_kv = qkv != nullptr && split == n_act - 1 && rot_ok && p_new < L;  // block-uniform
+        Half8 kv_lo, kv_hi;  // warp 0 of the new token's block: its k and v chunks, loaded with the query
+        if (new_kv && warp == 0) {
+            const __half* k_src = qkv + ((size_t)b * (H + 2 * Hkv) + H + kvh) * D;  // v: Hkv * D further
+            load_new_kv<D>(k_src, k_src + (size_t)Hkv * D, kv_lo, kv_hi);
+        }
+        // p's stage: the only one when nstages == 1, else the last. With one stage the block writes p's row into
+        // it directly (after issuing the copies of the others): the last block, on every cluster's critical
+        // path, then waits for no L2 round trip before its copies. With more, p's row is stored during stage 0
+        // and the copies of the last stage, issued after a loop barrier, read it back.
+        const int skip = new_kv && nstages == 1 ? p_new : -1;
         auto store_kv = [&] {  // warp 0
-            const __half* k_src = qkv + ((size_t)b * (H + 2 * Hkv) + H + kvh) * D;
-            store_new_kv<D, KV8>(k_src, k_src + (size_t)Hkv * D, cs_row, k_cache, v_cache, k_scale, v_scale,
-                                 row0 + p_new);
+            store_new_kv<D, KV8>(kv_lo, kv_hi, cs_row, k_cache, v_cache, k_scale, v_scale, row0 + p_new,
+                                 skip >= 0 ? smem : nullptr, p_new - lo);
         };
 
         float o[MT][4];
@@ -565,22 +617,20 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             for (int r = 0; r < 4; ++r) o[mt][r] = 0.0f;
         float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2t, 2t + 1
 
-        if (new_kv && nstages == 1) {  // stage 0 holds p
-            if (warp == 0) store_kv();
-            __syncthreads();  // the stores are performed for the block before its copies read them
-        }
 #pragma unroll
         for (int s = 0; s < NBUF - 1; ++s) {
             if (s < nstages)
                 issue_stage<D, KV8>(smem + s * G::BUF_BYTES, k_cache, v_cache, k_scale, v_scale, row0,
-                                    lo + s * STAGE, hi);
+                                    lo + s * STAGE, hi, skip);
             cp_async_commit();
         }
         if (qkv != nullptr) rope_query<D, KV8>(qb, qp, cs4, rot_ok, ph, lane);
-        if (new_kv && nstages > 1 && warp == 0) store_kv();  // p's stage nstages - 1 is issued after a loop barrier
+        if (new_kv && warp == 0) store_kv();  // before the loop's first barrier, which orders p's stage row
+        attn_stamp(2);
         for (int s = 0; s < nstages; ++s) {
             cp_async_wait<NBUF - 2>();
             __syncthreads();  // stage s landed for every thread; every warp is done with stage s - 1
+            if (s == 0) attn_stamp(3);
             {
                 const int sn = s + NBUF - 1;
                 if (sn < nstages)
@@ -698,17 +748,20 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         }
         cp_async_wait<0>();
         __syncthreads();  // the stage buffers become the merge area
+        attn_stamp(4);
 
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
             l0 += __shfl_xor_sync(FULL_MASK, l0, off);
             l1 += __shfl_xor_sync(FULL_MASK, l1, off);
         }
+        // only the unit's head slots: with one query head per kv head (no GQA) that is 1 lane in 4 and half
+        // its values, and the stores of lanes t = 0..3 (same bank, D floats apart) no longer conflict
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-                wo[(warp * SLOTS + 2 * t + (r & 1)) * D + acc_dim<D, KV8>(mt, r, g)] = o[mt][r];
+                if (2 * t + (r & 1) < slots) wo[(warp * SLOTS + 2 * t + (r & 1)) * D + acc_dim<D, KV8>(mt, r, g)] = o[mt][r];
         if (g == 0) {
             wm[warp * SLOTS + 2 * t] = m0;
             wm[warp * SLOTS + 2 * t + 1] = m1;
@@ -772,8 +825,36 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     auto part_od = [&](int h, int d, int c) {
         return CL ? ld_cluster(cl_o + h * D + d, c) : __ldcg(part_o + (((size_t)b * H + head0 + h) * S + c) * D + d);
     };
+    attn_stamp(5);
     if (CL) cluster_sync();  // every block's partial is in its shared memory
-    if (n_act > 1 && (CL ? split == 0 : last_block_arrives(&counters[u], n_act, s_last))) {
+    attn_stamp(6);
+    if (CL && n_act > 1 && split == 0) {
+        // Block 0 of the cluster. Each thread issues every remote load it needs at once (lane c's (m_c, l_c),
+        // its dim's n_act partials): one DSMEM round trip, no barrier. Then the workspace path's arithmetic
+        // in its order (the same bits): M and l by the same butterflies, acc summed in split order with
+        // lane c's weight exp2(m_c - M) broadcast by a shuffle. h is warp-uniform (D % 32 == 0).
+        for (int e = tid; e < slots * D; e += THREADS) {
+            const int h = e / D, d = e % D;
+            const float mc = lane < n_act ? part_m(h, lane) : -INFINITY;
+            const float lc = lane < n_act ? part_l(h, lane) : 0.0f;
+            float pv[CLUSTER_MAX];
+#pragma unroll
+            for (int c = 0; c < CLUSTER_MAX; ++c) pv[c] = c < n_act ? part_od(h, d, c) : 0.0f;
+            const float m = warp_max(mc);
+            const float w = lane < n_act ? exp2f(mc - m) : 0.0f;
+            const float l = warp_sum(w * lc);
+            float acc = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CLUSTER_MAX; ++c) {
+                const float wc = __shfl_sync(FULL_MASK, w, c);
+                if (c < n_act) acc += wc * pv[c];
+            }
+            const __half y = __float2half_rn(acc / l);
+            out[out_row + (size_t)(head0 + h) * D + d] = y;
+            out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
+            if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+        }
+    } else if (!CL && n_act > 1 && last_block_arrives(&counters[u], n_act, s_last)) {
         float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M) (over the merge area)
         for (int h = warp; h < slots; h += WARPS) {
             float m = -INFINITY;
@@ -792,17 +873,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         for (int e = tid; e < slots * D; e += THREADS) {
             const int h = e / D, d = e % D;
             float acc = 0.0f;
-            if (CL) {  // every remote load issued before the first use: one DSMEM round trip, not n_act
-                float pv[CLUSTER_MAX];
-#pragma unroll
-                for (int c = 0; c < CLUSTER_MAX; ++c) pv[c] = c < n_act ? part_od(h, d, c) : 0.0f;
-#pragma unroll
-                for (int c = 0; c < CLUSTER_MAX; ++c)
-                    if (c < n_act) acc += wts[h * S + c] * pv[c];
-            } else {
 #pragma unroll 4
-                for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
-            }
+            for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
             const __half y = __float2half_rn(acc / s_l[h]);
             out[out_row + (size_t)(head0 + h) * D + d] = y;
             out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
@@ -812,8 +884,12 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         return;  // not the unit's last block
     }
     if (CL) {
+        if (split == 0) attn_stamp(7);
         cluster_sync();  // block 0 has read every partial: the others may exit
-        if (split != 0) return;
+        if (split != 0) {
+            attn_stamp(7);
+            return;
+        }
     }
 
     // this block finished its unit's heads
@@ -865,6 +941,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
              float* part_ml, int* counters, const __half* q, const __half* qkv, const float* cos_sin,       \
              void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
              int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
+        attn_stamp(0);                                                                                     \
         pdl_enter_attention();                                                                             \
         fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, amax_part, part_o, part_ml, counters, q, \
                                   qkv,                                                                     \

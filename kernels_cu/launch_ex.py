@@ -70,6 +70,8 @@ def _lib() -> ctypes.CDLL:
                 raise DeviceError(f"cannot load the CUDA driver library: {e}") from None
             lib.cuModuleLoad.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
             lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+            lib.cuModuleGetGlobal_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                 ctypes.c_void_p, ctypes.c_char_p]
             lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
             lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
                                             ctypes.c_void_p, ctypes.c_void_p]
@@ -104,6 +106,20 @@ def load_function(cubin: str, name: str) -> int:
         fn = ctypes.c_void_p()
         _check(lib.cuModuleGetFunction(ctypes.byref(fn), modules[cubin], name.encode()), f"cuModuleGetFunction {name}")
         return fn.value
+
+
+def module_global(cubin: str, name: str) -> tuple[int, int] | None:
+    """(device pointer, bytes) of the `__device__` variable `name` in this module's copy of the cubin (its
+    globals are not PyCUDA's), or None while no kernel of it was launched here (timing probes read it)."""
+    lib = _lib()
+    with _lock:
+        mod = _state["modules"].get(cubin)
+    if mod is None:
+        return None
+    ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _check(lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), mod, name.encode()),
+           f"cuModuleGetGlobal {name}")
+    return ptr.value, size.value
 
 
 def set_max_dynamic_shared(fn: int, nbytes: int) -> None:

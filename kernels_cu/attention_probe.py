@@ -1,0 +1,164 @@
+"""Where a decode-attention launch spends its time: `python -m kernels_cu.attention_probe [--ctx 576]`.
+
+Builds attention_decode.cu with -DFLLAMA_ATTN_PROBE (thread 0 of every fused block stamps %globaltimer at its
+phases; the engine's build never has it) and prints, per phase, when the blocks reach it, in us after the
+first block entered: the median block and the last block, medians over launches. Three settings, LLaMA-2-7B
+attention at batch 1 (RoPE mode, as the engine calls it):
+    cold    stand-alone launches after a 256 MiB write that evicts the cache from L2
+    warm    the same launch repeated at once (K/V in L2)
+    engine  the engine's decode graph (a few layers, programmatic launch on): the last layer's attention,
+            started while its q|k|v GEMV is still running, so phase 0 -> 1 includes waiting for that GEMV
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+
+import torch
+
+PROBE_FLAG = "-DFLLAMA_ATTN_PROBE"
+
+PHASES = ("entry", "split known", "copies issued", "stage 0 landed", "loop done", "partial written",
+          "cluster barrier", "exit")
+SLOTS = 10  # u64 per block: 8 phases, unused, the SM
+
+
+def probe_buffers() -> list[tuple[int, int]]:
+    """(device pointer, bytes) of fllama_attn_probe in each loaded copy of the attention module: PyCUDA's
+    (plain launches) and launch_ex's (cluster and programmatic launches load the cubin a second time)."""
+    from kernels_cu import build, launch_ex
+
+    module, path = build._module("attention_decode.cu", ())
+    bufs = [module.get_global("fllama_attn_probe")]
+    ex = launch_ex.module_global(path, "fllama_attn_probe")
+    return bufs + ([ex] if ex is not None else [])
+
+
+def read_probe(bufs: list[tuple[int, int]]) -> torch.Tensor:
+    """int64 [blocks, SLOTS] of the last launch's stamps (0 where a block did not reach a phase)."""
+    import pycuda.driver as drv
+
+    from kernels_cu import build
+
+    build.synchronize()
+    total = None
+    for ptr, nbytes in bufs:
+        host = torch.empty(nbytes // 8, dtype=torch.int64)
+        drv.memcpy_dtoh(host.numpy(), ptr)
+        total = host if total is None else total + host  # the other copy is all zeros
+    return total.view(-1, SLOTS)
+
+
+def clear_probe(bufs: list[tuple[int, int]]) -> None:
+    import pycuda.driver as drv
+
+    from kernels_cu import build
+
+    for ptr, nbytes in bufs:  # on fllama's stream: ordered before the next launch
+        drv.memset_d8_async(ptr, 0, nbytes, build.stream())
+    build.synchronize()
+
+
+def phase_times(stamps: torch.Tensor) -> list[tuple[float, float, int]]:
+    """Per phase (median block us, last block us, blocks that reached it) after the first entry."""
+    t0 = stamps[:, 0][stamps[:, 0] > 0].min()
+    out = []
+    for p in range(len(PHASES)):
+        col = stamps[:, p]
+        col = col[col > 0]
+        if col.numel() == 0:
+            out.append((float("nan"), float("nan"), 0))
+            continue
+        rel = (col - t0).double() / 1e3
+        out.append((rel.median().item(), rel.max().item(), col.numel()))
+    return out
+
+
+def summarize(name: str, runs: list[list[tuple[float, float, int]]]) -> None:
+    print(f"== {name} ({len(runs)} launches; us after the first block's entry: median block / last block)")
+    for p, phase in enumerate(PHASES):
+        med = statistics.median(r[p][0] for r in runs)
+        last = statistics.median(r[p][1] for r in runs)
+        n = runs[0][p][2]
+        print(f"  {p} {phase:<16} {med:8.2f} {last:8.2f}   ({n} blocks)")
+
+
+def standalone(ctx: int, cap: int, launches: int) -> None:
+    from kernels_cu import attention_decode as ad
+    from kernels_cu import build
+
+    B, H, Hkv, D = 1, 32, 32, 128
+    with build.on_stream():
+        k = torch.randn(B, Hkv, cap, D, device="cuda", dtype=torch.float16)
+        v = torch.randn(B, Hkv, cap, D, device="cuda", dtype=torch.float16)
+        qkv = torch.randn(B, (H + 2 * Hkv) * D, device="cuda", dtype=torch.float16)
+        cos_sin = torch.randn(cap, D, device="cuda", dtype=torch.float32)
+        lengths = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        call = lambda: ad.attention_decode_rope(qkv, cos_sin, k, v, lengths, H)  # noqa: E731
+        call()
+    bufs = probe_buffers()
+    for name, cold in (("cold", True), ("warm", False)):
+        runs = []
+        for _ in range(launches):
+            with build.on_stream():
+                if cold:
+                    flush.fill_(1)
+                else:
+                    call()
+            clear_probe(bufs)
+            with build.on_stream():
+                call()
+            runs.append(phase_times(read_probe(bufs)))
+        summarize(f"stand-alone {name}, batch 1, ctx {ctx}", runs)
+
+
+def engine_run(scheme: str, ctx: int, layers: int, steps: int) -> None:
+    from kernels_cu.bench import random_weights
+    from kernels_cu.engine import Engine, EngineConfig
+    from model_zoo.config import LlamaConfig
+    from model_zoo.sampling import SamplingConfig
+
+    dev = torch.device("cuda")
+    config = dataclasses.replace(LlamaConfig.from_name("llama2-7b"), n_layers=layers)
+    engine = Engine(random_weights(config, scheme, dev), EngineConfig(max_len=ctx + steps + 64))
+    sampler = engine.make_sampler(SamplingConfig(temperature=0), 1)
+    cache = engine.new_cache(1, ctx + steps + 64)
+    cache.lengths.fill_(ctx)
+    engine.decode_sampled(torch.zeros(1, dtype=torch.long), cache, [0], sampler)
+    engine.replay_steps(cache, 3)
+    bufs = probe_buffers()
+    runs = []
+    for _ in range(steps):
+        clear_probe(bufs)
+        engine.replay_steps(cache, 1)
+        runs.append(phase_times(read_probe(bufs)))
+    summarize(f"engine {scheme}, batch 1, ctx ~{ctx}, layer {layers - 1} of a {layers}-layer graph", runs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctx", type=int, default=576)
+    ap.add_argument("--cap", type=int, default=641, help="cache positions per row (the bench's max_len + 1)")
+    ap.add_argument("--launches", type=int, default=30)
+    ap.add_argument("--engine", default="fp16,awq", help="schemes to probe inside the engine ('' for none)")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args(argv)
+    # the flag must be in place before build.py is first imported (it reads FLLAMA_NVCC_FLAGS once)
+    os.environ["FLLAMA_NVCC_FLAGS"] = (os.environ.get("FLLAMA_NVCC_FLAGS", "") + " " + PROBE_FLAG).strip()
+    from kernels_cu import build
+
+    if PROBE_FLAG not in build.EXTRA_OPTIONS:
+        raise SystemExit("kernels_cu.build was imported before the probe flag was set: run this as its own process")
+    build.require_cuda()
+    print(torch.cuda.get_device_name())
+    standalone(args.ctx, max(args.cap, args.ctx + 1), args.launches)
+    for scheme in (s for s in args.engine.split(",") if s):
+        engine_run(scheme, args.ctx, args.layers, args.launches)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""kernels_cu.attention_probe's arithmetic on made-up stamps (the probe itself needs a GPU)."""
+
+import math
+import os
+
+import torch
+
+from kernels_cu import attention_probe as ap
+
+
+def stamps(rows: list[list[int]]) -> torch.Tensor:
+    t = torch.zeros(len(rows) + 2, ap.SLOTS, dtype=torch.int64)  # two blocks that never ran: all zeros
+    for i, r in enumerate(rows):
+        t[i, :len(r)] = torch.tensor(r)
+    return t
+
+
+def test_phase_times_are_relative_to_the_first_entry_and_skip_missing_phases():
+    # ns stamps; block 2 left after phase 1 (past the row's end), block 1 entered first
+    s = stamps([[1_200, 2_200, 3_200, 5_200, 6_000, 7_000, 8_000, 9_000],
+                [1_000, 2_000, 4_000, 5_000, 5_500, 6_500, 7_500, 8_500],
+                [1_100, 2_400]])
+    out = ap.phase_times(s)
+    assert len(out) == len(ap.PHASES)
+    med0, last0, n0 = out[0]
+    assert n0 == 3 and math.isclose(med0, 0.1) and math.isclose(last0, 0.2)
+    med1, last1, n1 = out[1]
+    assert n1 == 3 and math.isclose(med1, 1.2) and math.isclose(last1, 1.4)
+    med2, last2, n2 = out[2]  # two blocks: torch's median is the lower one
+    assert n2 == 2 and math.isclose(med2, 2.2) and math.isclose(last2, 3.0)
+    assert out[7][2] == 2 and math.isclose(out[7][1], 8.0)
+
+
+def test_importing_the_probe_sets_no_compiler_flag():
+    """Only main() adds -DFLLAMA_ATTN_PROBE: an import (this test process) must not change what build.py compiles."""
+    assert ap.PROBE_FLAG not in os.environ.get("FLLAMA_NVCC_FLAGS", "")
