@@ -282,8 +282,9 @@ extern "C" __global__ void __launch_bounds__(128)
 //   shared memory, the cluster meets at a barrier (release / acquire), block 0 reads the partials through
 //   distributed shared memory (ld.shared::cluster: every thread issues all its loads at once, one round trip)
 //   and combines them in split order (the same arithmetic as the workspace path, so the same bits), and a
-//   second barrier keeps every block's shared memory alive until block 0 has read it. No fence, no counter, no workspace. Blocks past the row's end take part in both
-//   barriers (a cluster barrier counts every thread of every block) and exit.
+//   second barrier keeps every block's shared memory alive until block 0 has read it. No fence, no counter,
+//   no workspace. Blocks past the row's end take part in both barriers (a cluster barrier counts every thread
+//   of every block) and exit.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
 //   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
 //   token sits at p = lengths[b] - 1 (cache row b). Every block rotates the query heads it needs itself,
@@ -760,8 +761,10 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                if (2 * t + (r & 1) < slots) wo[(warp * SLOTS + 2 * t + (r & 1)) * D + acc_dim<D, KV8>(mt, r, g)] = o[mt][r];
+            for (int r = 0; r < 4; ++r) {
+                const int slot = 2 * t + (r & 1);
+                if (slot < slots) wo[(warp * SLOTS + slot) * D + acc_dim<D, KV8>(mt, r, g)] = o[mt][r];
+            }
         if (g == 0) {
             wm[warp * SLOTS + 2 * t] = m0;
             wm[warp * SLOTS + 2 * t + 1] = m1;
@@ -776,6 +779,12 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     const bool quant_static = q_out != nullptr && static_amax != nullptr;
     const float inv_static = quant_static ? __fdiv_rn(127.0f, clamp_amax(*static_amax)) : 0.0f;
     float out_amax = 0.0f;  // max |out| of the values this thread wrote (amax_part)
+    auto emit = [&](int h, int d, __half y) {  // a final output value: fp16, its max, its static quantization
+        const size_t o = out_row + (size_t)(head0 + h) * D + d;
+        out[o] = y;
+        out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
+        if (quant_static) q_out[o] = quantize_i8(__half2float(y), inv_static);
+    };
     for (int e = tid; e < slots * D; e += THREADS) {
         const int h = e / D, d = e % D;
         float acc = 0.0f, l = 0.0f, m = -INFINITY;
@@ -790,10 +799,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             }
         }
         if (n_act == 1) {
-            const __half y = __float2half_rn(len > 0 ? acc / l : 0.0f);  // an empty row attends to nothing
-            out[out_row + (size_t)(head0 + h) * D + d] = y;
-            out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
-            if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+            emit(h, d, __float2half_rn(len > 0 ? acc / l : 0.0f));  // an empty row attends to nothing
         } else if (CL) {
             float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
             float* cl_ml = reinterpret_cast<float*>(smem) + G::CL_ML;
@@ -849,10 +855,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
                 const float wc = __shfl_sync(FULL_MASK, w, c);
                 if (c < n_act) acc += wc * pv[c];
             }
-            const __half y = __float2half_rn(acc / l);
-            out[out_row + (size_t)(head0 + h) * D + d] = y;
-            out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
-            if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+            emit(h, d, __float2half_rn(acc / l));
         }
     } else if (!CL && n_act > 1 && last_block_arrives(&counters[u], n_act, s_last)) {
         float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M) (over the merge area)
@@ -875,10 +878,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             float acc = 0.0f;
 #pragma unroll 4
             for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
-            const __half y = __float2half_rn(acc / s_l[h]);
-            out[out_row + (size_t)(head0 + h) * D + d] = y;
-            out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
-            if (quant_static) q_out[out_row + (size_t)(head0 + h) * D + d] = quantize_i8(__half2float(y), inv_static);
+            emit(h, d, __float2half_rn(acc / s_l[h]));
         }
     } else if (n_act > 1 && !CL) {
         return;  // not the unit's last block
