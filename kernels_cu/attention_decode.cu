@@ -357,11 +357,10 @@ struct Geom {
     // the warps' merge area and the combine's weights reuse the stage buffers
     static_assert(WARPS * SLOTS * (D + 2) * 4 <= NBUF * BUF_BYTES, "merge area overflows the stage buffers");
     static_assert(SLOTS * MAX_SPLITS * 4 <= NBUF * BUF_BYTES, "combine weights overflow the stage buffers");
-    // CL: the block's partial O [SLOTS][D] and (m, l) [SLOTS][2] in floats, after the merge area (which the
-    // combine's weights, SLOTS * S <= 128 floats, then overwrite)
+    // CL: the block's partial O [SLOTS][D] and (m, l) [SLOTS][2] in floats, after the merge area (the cluster
+    // combine keeps its weights in registers, so nothing else is written there until the second barrier)
     static constexpr int CL_O = WARPS * SLOTS * (D + 2), CL_ML = CL_O + SLOTS * D;
     static_assert((CL_ML + 2 * SLOTS) * 4 <= NBUF * BUF_BYTES, "cluster partials overflow the stage buffers");
-    static_assert(SLOTS * CLUSTER_MAX <= CL_O, "combine weights overlap the cluster partials");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
