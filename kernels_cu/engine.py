@@ -30,7 +30,7 @@ from kernels_cu.embedding import embedding, embedding_fold
 from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import XQ_MAX_ROWS, DeferredQuant, int8_gemm, int8_gemm_deferred, int8_swiglu
 from kernels_cu.norm_fold import FoldIn, FoldOut
-from kernels_cu.quantize import quantize
+from kernels_cu.quantize import quantize, quantize_fold
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
 from kernels_cu.rope_kv import rope_kv, rope_table
 from kernels_cu.sampling import GpuSampler
@@ -53,6 +53,11 @@ FOLD_MAX_ROWS = {"fp16": 8, "awq": 4}
 # Module switches for A/B runs (engine_ab --switch engine.DEFER_SWIGLU).
 DEFER_ATTENTION = True
 DEFER_SWIGLU = True
+# An int8 decode step (up to DECODE_MAX_M rows) defers its RMSNorms too (EngineConfig.fold_norms): o_proj and
+# down_proj write the next norm's xg, sums and maxima (norm_fold.py), and quantize_fold, spread over blocks,
+# quantizes xg for q|k|v / gate|up instead of rmsnorm_quant's one block per row (layer 0's input norm and the
+# final norm stay rmsnorm kernels). Switch for A/B runs.
+FOLD_INT8 = True
 
 
 @contextmanager
@@ -159,11 +164,13 @@ class Int8Op:
 
     def __call__(self, xq: tuple[torch.Tensor, torch.Tensor] | DeferredQuant, residual: torch.Tensor | None = None,
                  fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
-        if fold_in is not None or fold_out is not None:
-            raise DeviceError("int8 linears take their input quantized: no deferred RMSNorm")
+        """fold_out: the next RMSNorm deferred (a decode GEMV with a residual); a deferred RMSNorm before this op
+        arrives quantized by quantize_fold, never as fold_in."""
+        if fold_in is not None:
+            raise DeviceError("an int8 linear takes its deferred RMSNorm quantized (quantize_fold)")
         if isinstance(xq, DeferredQuant):
-            return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual)
-        return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual)
+            return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual, fold_out=fold_out)
+        return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual, fold_out=fold_out)
 
     def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor]) -> DeferredQuant:
         """A gate|up op (gate rows, then up rows) on a few rows: silu(gate) * up in fp16 with its row maxima,
@@ -361,8 +368,11 @@ class Engine:
     # -- the layer ---------------------------------------------------------------------------------------
     def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any, fold: FoldOut | None) -> tuple[Any, FoldIn | None]:
         """op's input after the RMSNorm with weight w and how op takes it: the norm kernel's output (+ int8
-        quantization for an int8 op) and None, or, when a producer deferred this norm (fold), its xg and FoldIn."""
+        quantization for an int8 op) and None, or, when a producer deferred this norm (fold), its xg and FoldIn
+        (for an int8 op: xg quantized by quantize_fold, and None)."""
         eps = self.config.norm_eps
+        if fold is not None and fold.int8:  # xg quantized from the producer's maxima and sums (no norm kernel)
+            return quantize_fold(fold.xg, fold.mx, fold.part, eps, op.amax), None
         if fold is not None:
             return fold.xg, fold.consumer(eps)
         return (rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)), None
@@ -384,15 +394,24 @@ class Engine:
         return all(l.o.int8 and l.gate_up.int8 and l.down.int8 and l.o.amax is None and l.down.amax is None
                    for l in self.layers)
 
-    def _layer(self, i: int, h: torch.Tensor, cache: GpuCache, attend,
-               fold: FoldOut | None = None, defer: bool = False) -> tuple[torch.Tensor, FoldOut | None]:
+    def _folds_int8(self, m: int) -> bool:
+        """Whether an int8 decode step of m rows defers its RMSNorms (FOLD_INT8): up to the GEMVs' DECODE_MAX_M
+        rows, where o_proj and down_proj are the int8 GEMVs that write the next norm's inputs."""
+        if not (self.cfg.fold_norms and FOLD_INT8 and norm_fold.takes(self.config.hidden_size)):
+            return False
+        return m <= DECODE_MAX_M and all(op.int8 for l in self.layers for op in (l.qkv, l.o, l.gate_up, l.down))
+
+    def _layer(self, i: int, h: torch.Tensor, cache: GpuCache, attend, fold: FoldOut | None = None,
+               defer: bool = False, int8_fold: bool = False) -> tuple[torch.Tensor, FoldOut | None]:
         """h [T, H] fp16 -> (h [T, H], fold); attend(i, qkv [T, (nh + 2 nkv) d]) -> [T, nh * d] (RoPE, the
         K/V cache write and attention: one kernel in decode, rope_kv + SDPA in prefill).
 
         fold: h's deferred attn_norm (a folded decode step, norm_fold.py). The layer then defers its ffn_norm
         too and returns the norm deferred after it (the next layer's attn_norm, or the final norm).
         defer: an int8 decode step whose down_proj quantizes its input (_defers_quant): the gate|up GEMV applies
-        the SwiGLU. attend(...) may return a DeferredQuant for o_proj likewise."""
+        the SwiGLU. attend(...) may return a DeferredQuant for o_proj likewise.
+        int8_fold: an int8 decode step that defers its norms (_folds_int8): o_proj and down_proj write the
+        ffn_norm's and the next layer's attn_norm's inputs (layer 0's attn_norm and the final norm run as kernels)."""
         c, L = self.config, self.layers[i]
         T = h.shape[0]
         x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
@@ -400,7 +419,8 @@ class Engine:
         o = attend(i, qkv)  # [T, nh * d], (q int8, a_scale) when attention quantized its output, or DeferredQuant
         if L.o.int8 and isinstance(o, torch.Tensor):
             o = quantize(o, L.o.amax)
-        ffn = FoldOut.new(L.ffn_norm, T) if fold is not None else None
+        folding = fold is not None or int8_fold
+        ffn = FoldOut.new(L.ffn_norm, T, int8_fold) if folding else None
         h = L.o(o, residual=h, fold_out=ffn)  # [T, H]
         x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn)
         if L.gate_up.swiglu:
@@ -411,7 +431,9 @@ class Engine:
             gu = L.gate_up(x, fold_in=fold_in)  # [T, 2F]
             a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
         nxt = None
-        if fold is not None:
+        if int8_fold and i + 1 < c.n_layers:
+            nxt = FoldOut.new(self.layers[i + 1].attn_norm, T, int8=True)
+        elif folding and not int8_fold:
             nxt = FoldOut.new(self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm, T)
         return L.down(a, residual=h, fold_out=nxt), nxt  # [T, H]
 
@@ -520,6 +542,7 @@ class Engine:
         fold = None
         defer = self._defers_quant(cache.bucket)
         defer_o, defer_down = defer and DEFER_ATTENTION, defer and DEFER_SWIGLU
+        int8_fold = self._folds_int8(cache.bucket)
         if self._folds(cache.bucket):  # RMSNorms deferred into the GEMVs (norm_fold.py)
             h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm)  # [Bb, H]
         else:
@@ -540,7 +563,7 @@ class Engine:
             return attention_decode(q, k, v, lens, ks, vs).reshape(-1, c.q_size)
 
         for i in range(c.n_layers):
-            h, fold = self._layer(i, h, cache, attend, fold, defer_down)
+            h, fold = self._layer(i, h, cache, attend, fold, defer_down, int8_fold)
         logits = self._logits(h, fold)  # [Bb, V] fp16
         cache.lengths.add_(st["active"])  # only rows that decoded this step advance
         return logits

@@ -12,7 +12,8 @@
 // int8_gemv_mt{1,2}_silu: the same for the fused gate|up weight, with the SwiGLU and the row maxima for the down
 //   projection's deferred quantization in the epilogue (silu_mul_part's work).
 // int8_gemv_xq[_res]: the same with x in fp16 plus the partial maxima of each token's row: the block quantizes its
-//   rows itself (quantize_parts' work), see XqHook.
+//   rows itself (quantize_parts' work), see XqHook. _res can also write the inputs of the RMSNorm after it
+//   deferred (Int8Fold below).
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
 #include "gemm_common.cuh"
@@ -130,6 +131,18 @@ struct XqHook {
     }
 };
 
+// The int8 deferred RMSNorm (norm_fold.py, an int8 decode step at one row): an EPI 1 producer (o_proj, down_proj)
+// writes for the norm after it (weight w [N]), per token m and 8-channel group of its output h: xg [M, N] =
+// fp16(h * w), sq [M, N / 8] = sum of h^2 and mx [M, N / 8] = max |xg|. quantize.cu's quantize_fold then turns
+// them into the next GEMV's codes and a_scale (rstd * xg quantized), which replaces rmsnorm_quant's one-block
+// chain of two reductions with one spread over blocks. xg null: none.
+struct Int8Fold {
+    const __half* w;
+    __half* xg;
+    float* sq;
+    float* mx;
+};
+
 // EPI: 0 plain, 1 + residual, 2 SwiGLU for the down projection's deferred quantization: block b's mma rows g
 // are gate channel f = 8b + g (weight row f of the fused [2F, K] gate|up), rows g + 8 the same up channel (row
 // F + f), so y [M, F] = fp16(silu(fp16 gate)) * fp16 up (silu_mul.cu's rounding of the two GEMM outputs) and
@@ -141,8 +154,8 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
                                           int a_stride, const __half* __restrict__ x16,
                                           const float* __restrict__ part_in, int C,
                                           const float* __restrict__ static_amax, const int8_t* __restrict__ qweight,
-                                          const float* __restrict__ w_scale, const __half* residual, int M, int N,
-                                          int K) {
+                                          const float* __restrict__ w_scale, const __half* residual,
+                                          Int8Fold fold, int M, int N, int K) {
     static_assert(!XQ || MT == 1, "the deferred quantization holds 8 token rows");
     __shared__ int red[WARPS][MT][4][32];
     __shared__ float s_inv[8], s_scale[8], s_red[8 * WARPS];
@@ -178,6 +191,11 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[mt][r] = 0;
+
+    // the epilogue's channel (below) and the deferred norm's weight for it: a weight, loaded before the PDL wait
+    const int n_epi = blockIdx.x * 16 + (lane >> 2) + ((warp & 2) ? 8 : 0);
+    __half fold_w = __float2half_rn(0.0f);
+    if (EPI == 1 && fold.xg != nullptr && warp < 4 * MT && n_epi < N) fold_w = fold.w[n_epi];
 
     auto mma = [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
         mma_s8_16832(c, a0, a1, a2, a3, b0, b1);
@@ -226,10 +244,32 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
         if ((l >> 2) == 0 && m < M) part_out[(size_t)m * gridDim.x + blockIdx.x] = amax;
         return;
     }
-    const int n = blockIdx.x * 16 + (l >> 2) + (r >= 2 ? 8 : 0);
+    const int n = n_epi;  // blockIdx.x * 16 + (l >> 2) + (r >= 2 ? 8 : 0): this thread is lane l of warp r
+    float sq = 0.0f, mx = 0.0f;
     if (n < N && m < M) {
         const size_t o = (size_t)m * N + n;
-        y[o] = int8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
+        const __half h = int8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
+        y[o] = h;
+        if (EPI == 1 && fold.xg != nullptr) {
+            const __half xg = __hmul_rn(h, fold_w);
+            fold.xg[o] = xg;
+            const float f = __half2float(h);
+            sq = f * f;
+            mx = fabsf(__half2float(xg));
+        }
+    }
+    if (EPI == 1 && fold.xg != nullptr) {  // block-uniform
+        // token m's 8 channels of group n / 8 are the lanes of equal l & 3 in this warp (g = l >> 2)
+#pragma unroll
+        for (int d = 4; d < 32; d *= 2) {
+            sq += __shfl_xor_sync(FULL_MASK, sq, d);
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, d));
+        }
+        if ((l >> 2) == 0 && m < M && n < N) {
+            const size_t c = (size_t)m * (N / 8) + n / 8;
+            fold.sq[c] = sq;
+            fold.mx[c] = mx;
+        }
     }
 }
 
@@ -255,13 +295,15 @@ __device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* 
 }  // namespace
 
 // Arguments of the plain gemv entries: (y fp16 [M,N], q_x int8 [M,K], a_scale f32 [M or 1], int a_stride (1 or 0),
-//   qweight int8 [N,K], w_scale f32 [N], residual fp16 [M,N] or null, int M, int N, int K)
+//   qweight int8 [N,K], w_scale f32 [N], residual fp16 [M,N] or null, fold_w, fold_xg, fold_sq, fold_mx (the next
+//   norm deferred, as the XQ entries'; with the residual only), int M, int N, int K)
 #define FLLAMA_INT8_GEMV(NAME, MT, EPI)                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,      \
-             const float* w_scale, const __half* residual, int M, int N, int K) {                          \
+             const float* w_scale, const __half* residual, const __half* fold_w, __half* fold_xg,          \
+             float* fold_sq, float* fold_mx, int M, int N, int K) {                                        \
         int8_gemv<MT, EPI, false>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, qweight, \
-                                  w_scale, residual, M, N, K);                                             \
+                                  w_scale, residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K); \
     }
 
 FLLAMA_INT8_GEMV(int8_gemv_mt1, 1, 0)
@@ -276,20 +318,22 @@ FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, 1)
         NAME(__half* y, float* part, const int8_t* qx, const float* a_scale, int a_stride,                 \
              const int8_t* qweight, const float* w_scale, int M, int F, int K) {                            \
         int8_gemv<MT, 2, false>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, qweight,      \
-                                w_scale, nullptr, M, F, K);                                                 \
+                                w_scale, nullptr, Int8Fold{}, M, F, K);                                     \
     }
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt1_silu, 1)
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
 
 // Deferred-quantization entries: (y fp16 [M,N], x fp16 [M,K], part f32 [M,C] or null, int C, static_amax f32 [1]
-//   (with part null), qweight, w_scale, residual or null, int M, int N, int K); M <= 8 per grid row, dynamic
-//   shared memory min(M, 8) * K bytes.
+//   (with part null), qweight, w_scale, residual or null, fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_sq
+//   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K);
+//   M <= 8 per grid row, dynamic shared memory min(M, 8) * K bytes.
 #define FLLAMA_INT8_GEMV_XQ(NAME, EPI)                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const __half* x, const float* part, int C, const float* static_amax,              \
-             const int8_t* qweight, const float* w_scale, const __half* residual, int M, int N, int K) {    \
+             const int8_t* qweight, const float* w_scale, const __half* residual, const __half* fold_w,    \
+             __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {                       \
         int8_gemv<1, EPI, true>(y, nullptr, nullptr, nullptr, 0, x, part, C, static_amax, qweight, w_scale, \
-                                residual, M, N, K);                                                         \
+                                residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K);           \
     }
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0)
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1)

@@ -12,6 +12,11 @@ Deferred quantization (decode, a few rows): `int8_swiglu` writes the SwiGLU of t
 with each block's row maxima, and `int8_gemm` given a `DeferredQuant` (fp16 x + the partial maxima that its
 producer wrote: int8_swiglu, or attention_decode_rope_parts) quantizes x inside the GEMV, by quantize.py's rule
 with the same bits, so neither silu_mul_part nor quantize_parts (nor attention's own quantization round) runs.
+
+Deferred RMSNorm (norm_fold.py, int8 decode up to DECODE_MAX_M rows): the residual GEMV (int8_gemm or
+int8_gemm_deferred with fold_out) can write the next norm's FoldOut (FoldOut.new(w, M, int8=True): xg = h * w, the
+sums of h^2 and maxima of |xg| per 8 channels), which quantize.quantize_fold turns into the next GEMV's input
+instead of rmsnorm_quant.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from calibrate.int8 import int8_gemm_ref as _contract_gemm
-from kernels_cu import build, int8_wgmma
+from kernels_cu import build, int8_wgmma, norm_fold
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_THREADS, cdiv, gemv_grid, token_tile
+from kernels_cu.norm_fold import FoldOut
 from kernels_cu.quantize import quantize
 
 DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faster one there anyway
@@ -50,16 +56,19 @@ class DeferredQuant:
 
 
 def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.Tensor,
-                       residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       fold_out: FoldOut | None = None) -> torch.Tensor:
     """int8_gemm of an input whose quantization was deferred: the GEMV quantizes it (up to XQ_KERNEL_ROWS rows),
-    the same bits as int8_gemm(*quantize(x)); more rows are quantized first."""
+    the same bits as int8_gemm(*quantize(x)); more rows are quantized first. fold_out (with a residual): the next
+    RMSNorm deferred, its xg, sums and maxima written as well (as int8_gemm's)."""
     x, part = xq.x, xq.part
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got {tuple(x.shape)}")
     M, K = x.shape
     if M > XQ_KERNEL_ROWS:
-        return int8_gemm(*xq.quantized(), qweight, w_scale, residual, out)
+        return int8_gemm(*xq.quantized(), qweight, w_scale, residual, out, fold_out=fold_out)
     N = _check_weight("x", M, K, qweight, w_scale, residual)
+    _check_fold_out(fold_out, M, N, residual, XQ_KERNEL_ROWS)
     check_tensor(x, "x", torch.float16, align=16)
     if part is not None:
         if part.dim() != 2 or part.shape[0] != M or part.shape[1] == 0:
@@ -74,9 +83,10 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", "PPPiPPPPiii")
+        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", "PPPiPPPPPPPPiii")
         fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1],
-           xq.static_amax if part is None else None, qweight, w_scale, residual, M, N, K, shared=M * K)
+           xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
+           shared=M * K)
     return y
 
 
@@ -103,12 +113,17 @@ def int8_swiglu(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor,
 
 def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
               residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              wgmma: bool | None = None) -> torch.Tensor:
+              wgmma: bool | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
     """q_x int8 [M, K], a_scale fp32 [M] or [1], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N].
 
     wgmma: None chooses the kernel (int8_wgmma.takes); True forces int8_wgmma.cu at any M (tests, benchmarks:
-    needs an sm_90 GPU and N % 8 == 0); False keeps it off."""
+    needs an sm_90 GPU and N % 8 == 0); False keeps it off.
+    fold_out (the decode GEMV with a residual, M <= DECODE_MAX_M): the next RMSNorm deferred, its xg, sums and
+    maxima written as well (FoldOut.new(w, M, int8=True))."""
     M, K, N = _check(q_x, a_scale, qweight, w_scale, residual)
+    _check_fold_out(fold_out, M, N, residual, DECODE_MAX_M)
+    if fold_out is not None:
+        wgmma = False
     if wgmma is None:
         wgmma = int8_wgmma.takes(q_x, N)
     elif wgmma and N % 8:
@@ -126,8 +141,9 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
             fn = build.get_function("int8_gemm.cu", f"int8_dequant{res}", "PPPiPPii")
             fn((cdiv(M * N // 4, GEMV_THREADS),), (GEMV_THREADS,), y, acc, a_scale, a_stride, w_scale, residual, M, N)
         else:
-            fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{token_tile(M)}{res}", "PPPiPPPiii")
-            fn(gemv_grid(M, N), (GEMV_THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual, M, N, K)
+            fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{token_tile(M)}{res}", "PPPiPPPPPPPiii")
+            fn(gemv_grid(M, N), (GEMV_THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual,
+               *_fold_args(fold_out), M, N, K)
     return y
 
 
@@ -137,6 +153,21 @@ def int8_gemm_ref(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tenso
     a = a_scale.float().reshape(-1).expand(q_x.shape[0])  # [M]
     y = _contract_gemm(q_x, qweight, a, w_scale.float(), torch.float16)  # [M, N]
     return y if residual is None else y + residual
+
+
+def _check_fold_out(fold_out: FoldOut | None, M: int, N: int, residual: torch.Tensor | None, max_rows: int) -> None:
+    """A producer's deferred next norm: only the decode GEMVs (up to max_rows rows) with a residual write one."""
+    if fold_out is None:
+        return
+    if residual is None or M > max_rows:
+        raise ValueError(f"an int8 GEMV defers the next RMSNorm with its residual, on at most {max(max_rows, 0)} "
+                         f"rows here, got {M} rows{'' if residual is not None else ' and no residual'}")
+    norm_fold.check_out(fold_out, M, N, int8=True)
+
+
+def _fold_args(fold_out: FoldOut | None) -> tuple:
+    """The entries' (fold_w, fold_xg, fold_sq, fold_mx)."""
+    return (None,) * 4 if fold_out is None else (fold_out.w, fold_out.xg, fold_out.part, fold_out.mx)
 
 
 def _check(q_x, a_scale, qweight, w_scale, residual) -> tuple[int, int, int]:

@@ -7,6 +7,8 @@
 //                                          x fp16 [T,K], int K)
 // quantize_parts(q int8 [T,K], a_scale f32 [T], part f32 [T,C], x fp16 [T,K], int K): dynamic, with each row's
 // amax the max of C partial maxima a previous kernel wrote (silu_mul_part); grid (C, T), 8 values a thread.
+// quantize_fold(q, a_scale, mx f32 [T,C], sq f32 [T,C], static_amax f32 [1] or null, x fp16 [T,K], int K, int C,
+// float eps): the RMSNorm before an int8 GEMM deferred into its producer (norm_fold.py); grid (ceil(K / 1024), T).
 #include "common.cuh"
 
 using namespace fllama;
@@ -73,4 +75,56 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
     amax = clamp_amax(amax);
     if (c < K / 8) quantize_store8(q + row * (size_t)K + 8 * c, v, __fdiv_rn(127.0f, amax));
     if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = __fdiv_rn(amax, 127.0f);
+}
+
+// The int8 deferred RMSNorm (norm_fold.py): x is xg = fp16(h * w) and mx / sq the maxima of |xg| and sums of h^2
+// over C channel groups that its producer wrote (int8_gemm.cu's Int8Fold). LlamaRMSNorm's output is rstd * xg up
+// to one fp16 rounding, rstd = 1 / sqrt(sum / K + eps): dynamic, its codes are xg's by xg's own max (rstd > 0
+// cancels) and a_scale = amax / 127 * rstd; static, the codes of rstd * xg by the static amax. Replaces
+// rmsnorm_quant's one block and its chain of reductions (the row, then rstd, then the max): here every block of
+// the row reduces all C partials in one round trip beside its x loads, in a fixed order (every block gets the
+// same rstd), then quantizes its 1024 values.
+extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
+    quantize_fold(int8_t* __restrict__ q, float* __restrict__ a_scale, const float* __restrict__ mx,
+                  const float* __restrict__ sq, const float* __restrict__ static_amax,
+                  const __half* __restrict__ x, int K, float eps, int C) {
+    __shared__ float s_max[PARTS_THREADS / 32], s_sum[PARTS_THREADS / 32];
+    pdl_enter();
+    const size_t row = blockIdx.y;
+    const int c = blockIdx.x * PARTS_THREADS + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    Half8 v;
+    if (c < K / 8) v = load_half8(x + row * K + 8 * c);  // in flight while the partials are read
+    float amax = 0.0f, sum = 0.0f;
+    const float* pm = mx + row * C;
+    const float* ps = sq + row * C;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < C; i += PARTS_THREADS) {
+        if (static_amax == nullptr) amax = fmaxf(amax, pm[i]);
+        sum += ps[i];
+    }
+    amax = warp_max(amax);
+    sum = warp_sum(sum);
+    if (lane == 0) {
+        s_max[warp] = amax;
+        s_sum[warp] = sum;
+    }
+    __syncthreads();
+    amax = 0.0f;
+    sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < PARTS_THREADS / 32; ++w) {
+        amax = fmaxf(amax, s_max[w]);
+        sum += s_sum[w];
+    }
+    amax = clamp_amax(static_amax == nullptr ? amax : *static_amax);
+    const float rstd = rsqrtf(__fdividef(sum, (float)K) + eps);  // as norm_fold.cuh's fold_rstd
+    float inv = __fdiv_rn(127.0f, amax), scale = __fdiv_rn(amax, 127.0f);
+    if (static_amax == nullptr) {
+        scale *= rstd;
+    } else {
+        inv *= rstd;
+    }
+    if (c < K / 8) quantize_store8(q + row * K + 8 * c, v, inv);
+    if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = scale;
 }

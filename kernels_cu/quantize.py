@@ -73,3 +73,28 @@ def quantize_parts(x: torch.Tensor, part: torch.Tensor, q: torch.Tensor, a_scale
     check_tensor(a_scale, "a_scale", torch.float32, (T,), align=4)
     fn = build.get_function("quantize.cu", "quantize_parts", "PPPPi")
     fn((C, T), (PARTS_VALUES // 8,), q, a_scale, part, x, K)
+
+
+def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor, eps: float,
+                  static_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized output of an RMSNorm deferred into an int8 producer (norm_fold.py): xg fp16 [T, K] = h * w,
+    mx / sq fp32 [T, C] the maxima of |xg| and sums of h^2 over C channel groups -> (q int8 [T, K], a_scale fp32
+    [T]) of rstd * xg, rstd = 1 / sqrt(sum(sq) / K + eps). Dynamic: xg's codes by its own max (quantize()'s bits
+    of xg) and a_scale * rstd; static: the codes of rstd * xg by the static amax."""
+    if xg.dim() != 2:
+        raise ValueError(f"xg must be [T, K], got shape {tuple(xg.shape)}")
+    T, K = xg.shape
+    check_multiple(K, 8, "the quantized width")
+    check_tensor(xg, "xg", torch.float16)
+    if sq.dim() != 2 or sq.shape[0] != T or sq.shape[1] == 0:
+        raise ValueError(f"sq must be [{T}, C] with C > 0, got {tuple(sq.shape)}")
+    C = sq.shape[1]
+    check_tensor(sq, "sq", torch.float32, (T, C), align=4)
+    check_tensor(mx, "mx", torch.float32, (T, C), align=4)
+    check_static_amax(static_amax)
+    q = torch.empty((T, K), dtype=torch.int8, device=xg.device)  # [T, K]
+    a_scale = torch.empty((T,), dtype=torch.float32, device=xg.device)  # [T]
+    if T:
+        fn = build.get_function("quantize.cu", "quantize_fold", "PPPPPPifi")
+        fn((-(-K // PARTS_VALUES), T), (PARTS_VALUES // 8,), q, a_scale, mx, sq, static_amax, xg, K, float(eps), C)
+    return q, a_scale

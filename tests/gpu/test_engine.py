@@ -200,11 +200,28 @@ def test_folded_norms_match_the_rmsnorm_kernels(scheme):
     assert rel(steps, outs[0]) < 1e-5  # the same kernels, with or without the graph
 
 
-def test_int8_never_folds():
-    from kernels_cu.engine import Engine, EngineConfig
+@pytest.mark.parametrize("name,scheme,rows", [("gqa4-d64", "int8-dynamic", 1), ("smol-like", "int8-dynamic", 3),
+                                               ("mha-d128", "int8-static", 8)])
+def test_int8_folded_norms_match_the_rmsnorm_kernels(name, scheme, rows):
+    """An int8 decode step with its RMSNorms deferred (o_proj / down_proj write xg, sums and maxima, quantize_fold
+    quantizes xg for q|k|v and gate|up) against the same engine with rmsnorm_quant kernels: as near the reference
+    (the fold drops an fp16 rounding, so some codes move by one), in graph replays and eager steps; beyond the
+    GEMVs' rows, or with fold_norms=False, the kernels stay."""
+    from kernels_cu.engine import DECODE_MAX_M, Engine, EngineConfig
 
-    eng = Engine(checkpoint(CONFIGS["gqa4-d64"], "int8-dynamic"), EngineConfig(max_len=64))
-    assert not eng._folds(1)
+    config = CONFIGS[name]
+    w = checkpoint(config, scheme)
+    folded, plain = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, fold_norms=False))
+    assert folded._folds_int8(1) and folded._folds_int8(DECODE_MAX_M) and not folded._folds_int8(DECODE_MAX_M + 1)
+    assert not plain._folds_int8(1) and not folded._folds(1)  # the fp16 / AWQ fold is not int8's
+    tokens = torch.randint(0, config.vocab_size, (rows, 14), generator=torch.Generator().manual_seed(2))
+    outs = [decode_steps(eng, tokens, 8)[0] for eng in (folded, plain)]
+    assert torch.isfinite(outs[0]).all()
+    want = ReferenceModel(w.to("cpu", torch.float32)).forward(tokens)[:, 8:].transpose(0, 1)  # [steps, rows, V]
+    err_fold, err_plain = rel(outs[0], want), rel(outs[1], want)
+    assert err_fold < 2e-2 and err_fold < 1.25 * err_plain, (err_fold, err_plain)
+    steps, _ = decode_steps(Engine(w, EngineConfig(max_len=128, use_graphs=False)), tokens, 8)
+    assert torch.equal(steps, outs[0])  # the same kernels, with or without the graph
 
 
 @pytest.mark.parametrize("scheme,kv_int8", [("fp16", False), ("int8-dynamic", False), ("awq", True)])
@@ -238,6 +255,7 @@ def test_deferred_int8_quantization_gives_the_same_bits(name, rows, monkeypatch)
 
     config = CONFIGS[name]
     w = checkpoint(config, "int8-dynamic")
+    monkeypatch.setattr(engine, "FOLD_INT8", False)  # the deferred norms change rounding (their own test above)
     deferred, plain = Engine(w, EngineConfig(max_len=64)), Engine(w, EngineConfig(max_len=64, defer_int8_quant=False))
     assert deferred._defers_quant(1) and not deferred._defers_quant(int8_gemm.XQ_MAX_ROWS + 1)
     monkeypatch.setattr(engine, "XQ_MAX_ROWS", int8_gemm.XQ_KERNEL_ROWS)

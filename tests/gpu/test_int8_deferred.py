@@ -8,14 +8,15 @@ must give int8_gemm(*quantize(x))'s bits. Every comparison is assert_equal.
 import pytest
 import torch
 
-from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, poison, randn
+from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, poison, randn
 
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu.int8_gemm import (DeferredQuant, int8_gemm, int8_gemm_deferred, int8_gemm_ref,  # noqa: E402
                                   int8_swiglu)
-from kernels_cu.quantize import quantize, quantize_ref  # noqa: E402
+from kernels_cu.norm_fold import INT8_CHANNELS, FoldOut, fold_out_ref, rstd_ref  # noqa: E402
+from kernels_cu.quantize import quantize, quantize_fold, quantize_ref  # noqa: E402
 from kernels_cu.silu_mul import silu_mul  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -103,6 +104,116 @@ def test_swiglu_then_deferred_down_equals_the_quantized_chain():
     got = int8_gemm_deferred(int8_swiglu(q_x, a_scale, wgu, sgu), wd, sd, residual=h)
     want = int8_gemm(*silu_mul_quant(int8_gemm(q_x, a_scale, wgu, sgu)), wd, sd, residual=h)
     assert_equal(got, want, "gate|up -> down")
+
+
+# ---- the deferred RMSNorm of an int8 decode step (norm_fold.py): o_proj / down_proj write xg, sums and maxima,
+# quantize_fold quantizes xg for the next GEMV
+EPS = 1e-5
+
+
+def norm_weight(n: int, seed: int) -> torch.Tensor:
+    return (randn(n, seed=seed) * 0.3 + 1.0).half()
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (4096, 12288), (512, 1088)])
+def test_int8_producer_writes_the_deferred_norm(M, K, N):
+    """o_proj / down_proj with fold_out: h bit for bit the GEMV without it, xg torch's fp16 h * w, the maxima of
+    |xg| per 8 channels exact, the sums of h^2 per 8 channels within fp32 summation error."""
+    x = randn(M, K, scale=2.0, seed=K + M)
+    xq = DeferredQuant(x, chunk_maxima(x, 16))
+    qweight, w_scale, res = codes(N, K, seed=M + 1), scales(N, seed=M + 2) * 0.1, randn(M, N, seed=M + 3)
+    fold = FoldOut.new(norm_weight(N, seed=N), M, int8=True)
+    poison(fold.xg, fold.part, fold.mx)
+    y = int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=fold)
+    assert_equal(y, int8_gemm_deferred(xq, qweight, w_scale, residual=res), f"h M={M} K={K} N={N}")
+    xg, part = fold_out_ref(y, fold.w, INT8_CHANNELS)
+    assert_equal(fold.xg, xg, "xg")
+    assert_equal(fold.mx, xg.float().abs().reshape(M, N // 8, 8).amax(-1), "maxima of |xg|")
+    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
+
+
+@pytest.mark.parametrize("M", [1, 4, 8, 9, 16])
+def test_int8_gemv_writes_the_deferred_norm(M):
+    """The decode GEMV with its residual (o_proj / down_proj beyond one row, or without the deferred quantization)
+    and fold_out: h bit for bit without it, xg, maxima and sums as above."""
+    K, N = 4096, 4096
+    q_x, qweight = codes(M, K, seed=M), codes(N, K, seed=M + 1)
+    a_scale, w_scale, res = scales(M, seed=M + 2) * 0.1, scales(N, seed=M + 3) * 0.1, randn(M, N, seed=M + 4)
+    fold = FoldOut.new(norm_weight(N, seed=N), M, int8=True)
+    poison(fold.xg, fold.part, fold.mx)
+    y = int8_gemm(q_x, a_scale, qweight, w_scale, residual=res, fold_out=fold)
+    assert_equal(y, int8_gemm(q_x, a_scale, qweight, w_scale, residual=res), f"h M={M}")
+    xg, part = fold_out_ref(y, fold.w, INT8_CHANNELS)
+    assert_equal(fold.xg, xg, "xg")
+    assert_equal(fold.mx, xg.float().abs().reshape(M, N // 8, 8).amax(-1), "maxima of |xg|")
+    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
+
+
+@pytest.mark.parametrize("T,K", [(1, 4096), (1, 11008), (3, 576), (8, 4096), (2, 1032)])
+def test_quantize_fold(T, K):
+    """Dynamic: quantize()'s codes of xg (rstd cancels) with a_scale times rstd; static: the codes of rstd * xg by
+    the static amax (one code off at most, where fp32 rsqrt and float64 round a near-tie apart)."""
+    h = randn(T, K, seed=K + T) * torch.linspace(0.05, 4.0, T, device="cuda", dtype=torch.float16)[:, None]
+    if T > 2:
+        h[1] = 0.0  # a row of zeros: amax clamped, rstd = 1 / sqrt(eps)
+    xg, part = fold_out_ref(h, norm_weight(K, seed=T), INT8_CHANNELS)
+    mx = xg.float().abs().reshape(T, K // 8, 8).amax(-1).contiguous()  # [T, K / 8]
+    sq = part.float().contiguous()
+    rstd = rstd_ref(part, EPS, INT8_CHANNELS)  # [T] float64
+    q, s = quantize_fold(xg, mx, sq, EPS)
+    q_ref, s_ref = quantize_ref(xg)
+    assert_equal(q, q_ref, f"dynamic codes T={T} K={K}")
+    compare(s, s_ref.double() * rstd, rtol=4e-6, what="a_scale")
+    amax = torch.tensor([1.5], device="cuda")
+    q, s = quantize_fold(xg, mx, sq, EPS, amax)
+    want = torch.clamp(torch.round(xg.double() * rstd[:, None] * (127 / 1.5)), -127, 127)
+    assert int((q.double() - want).abs().max()) <= 1 and float((q.double() != want).float().mean()) < 1e-3
+    assert_equal(s, torch.full((T,), 1.5 / 127, device="cuda"), "static a_scale")
+
+
+def test_int8_fold_chain_matches_the_rmsnorm_kernel():
+    """down_proj writing the deferred norm -> quantize_fold -> q|k|v, as the engine runs it at one row, against
+    down_proj -> rmsnorm_quant -> q|k|v: the same product up to the one fp16 rounding the fold drops (some codes
+    move by one), both near the float64 product of the normalized row."""
+    from kernels_cu.rmsnorm import rmsnorm_quant
+
+    K, H, N = 11008, 4096, 12288
+    a = randn(1, K, seed=1)
+    xq = DeferredQuant(a, chunk_maxima(a, K // 8))
+    wd, sd, h0 = codes(H, K, seed=2), scales(H, seed=3) * 0.02, randn(1, H, seed=4)
+    wq, sq = codes(N, H, seed=5), scales(N, seed=6) * 0.05
+    norm = norm_weight(H, seed=7)
+    fold = FoldOut.new(norm, 1, int8=True)
+    h = int8_gemm_deferred(xq, wd, sd, residual=h0, fold_out=fold)
+    got = int8_gemm(*quantize_fold(fold.xg, fold.mx, fold.part, EPS), wq, sq)
+    want = int8_gemm(*rmsnorm_quant(h, norm, EPS), wq, sq)
+    hd = h.double()
+    x = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + EPS) * norm.double()  # [1, H] the norm in float64
+    exact = x @ (wq.double() * sq.double()[:, None]).T  # [1, N]
+
+    def err(y):
+        return float((y.double() - exact).norm() / exact.norm())
+
+    assert err(got) < 1.25 * err(want), (err(got), err(want))
+    assert err(got) < 2e-2  # per-token int8 codes of a 4096-wide row: ~1% of the product
+
+
+def test_int8_fold_rejects_bad_inputs():
+    x = randn(2, 64, seed=1)
+    qweight, w_scale, res = codes(64, 64, seed=2), scales(64, seed=3), randn(2, 64, seed=4)
+    xq = DeferredQuant(x, chunk_maxima(x, 8))
+    with pytest.raises(ValueError, match="with its residual"):
+        int8_gemm_deferred(xq, qweight, w_scale, fold_out=FoldOut.new(norm_weight(64, 5), 2, int8=True))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        int8_gemm(codes(17, 64, seed=6), scales(17, seed=7), qweight, w_scale, residual=randn(17, 64, seed=8),
+                  fold_out=FoldOut.new(norm_weight(64, 5), 17, int8=True))
+    with pytest.raises(ValueError, match="int8"):
+        int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=FoldOut.new(norm_weight(64, 5), 2))
+    with pytest.raises(ValueError, match="mx must have shape"):
+        quantize_fold(x, torch.zeros(2, 4, device="cuda"), torch.zeros(2, 8, device="cuda"), EPS)
+    with pytest.raises(ValueError, match="sq must be"):
+        quantize_fold(x, torch.zeros(2, 8, device="cuda"), torch.zeros(3, 8, device="cuda"), EPS)
 
 
 def test_deferred_rejects_bad_inputs():
