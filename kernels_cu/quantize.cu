@@ -7,8 +7,9 @@
 //                                          x fp16 [T,K], int K)
 // quantize_parts(q int8 [T,K], a_scale f32 [T], part f32 [T,C], x fp16 [T,K], int K): dynamic, with each row's
 // amax the max of C partial maxima a previous kernel wrote (silu_mul_part); grid (C, T), 8 values a thread.
-// quantize_fold(q, a_scale, mx f32 [T,C], sq f32 [T,C], static_amax f32 [1] or null, x fp16 [T,K], int K, int C,
-// float eps): the RMSNorm before an int8 GEMM deferred into its producer (norm_fold.py); grid (ceil(K / 1024), T).
+// quantize_fold(q, a_scale, mx f32 [T,C], sq f32 [T,C] or null, static_amax f32 [1] or null, x fp16 [T,K], int K,
+// float eps, int C): the RMSNorm before an int8 GEMM deferred into its producer (norm_fold.py), or with sq null
+// quantize()'s bits from C fine partial maxima (the int8 SwiGLU GEMV's); grid (ceil(K / 1024), T).
 #include "common.cuh"
 
 using namespace fllama;
@@ -83,7 +84,8 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
 // cancels) and a_scale = amax / 127 * rstd; static, the codes of rstd * xg by the static amax. Replaces
 // rmsnorm_quant's one block and its chain of reductions (the row, then rstd, then the max): here every block of
 // the row reduces all C partials in one round trip beside its x loads, in a fixed order (every block gets the
-// same rstd), then quantizes its 1024 values.
+// same rstd), then quantizes its 1024 values. sq null: no norm (rstd = 1), so q and a_scale are quantize()'s
+// bits (the max of the partial maxima is the row's max), for partials too many for quantize_parts' loop.
 extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
     quantize_fold(int8_t* __restrict__ q, float* __restrict__ a_scale, const float* __restrict__ mx,
                   const float* __restrict__ sq, const float* __restrict__ static_amax,
@@ -101,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
 #pragma unroll 4
     for (int i = threadIdx.x; i < C; i += PARTS_THREADS) {
         if (static_amax == nullptr) amax = fmaxf(amax, pm[i]);
-        sum += ps[i];
+        if (sq != nullptr) sum += ps[i];
     }
     amax = warp_max(amax);
     sum = warp_sum(sum);
@@ -118,12 +120,14 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
         sum += s_sum[w];
     }
     amax = clamp_amax(static_amax == nullptr ? amax : *static_amax);
-    const float rstd = rsqrtf(__fdividef(sum, (float)K) + eps);  // as norm_fold.cuh's fold_rstd
     float inv = __fdiv_rn(127.0f, amax), scale = __fdiv_rn(amax, 127.0f);
-    if (static_amax == nullptr) {
-        scale *= rstd;
-    } else {
-        inv *= rstd;
+    if (sq != nullptr) {
+        const float rstd = rsqrtf(__fdividef(sum, (float)K) + eps);  // as norm_fold.cuh's fold_rstd
+        if (static_amax == nullptr) {
+            scale *= rstd;
+        } else {
+            inv *= rstd;
+        }
     }
     if (c < K / 8) quantize_store8(q + row * K + 8 * c, v, inv);
     if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = scale;

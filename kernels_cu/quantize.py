@@ -75,22 +75,24 @@ def quantize_parts(x: torch.Tensor, part: torch.Tensor, q: torch.Tensor, a_scale
     fn((C, T), (PARTS_VALUES // 8,), q, a_scale, part, x, K)
 
 
-def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor, eps: float,
+def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None, eps: float,
                   static_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantized output of an RMSNorm deferred into an int8 producer (norm_fold.py): xg fp16 [T, K] = h * w,
     mx / sq fp32 [T, C] the maxima of |xg| and sums of h^2 over C channel groups -> (q int8 [T, K], a_scale fp32
     [T]) of rstd * xg, rstd = 1 / sqrt(sum(sq) / K + eps). Dynamic: xg's codes by its own max (quantize()'s bits
-    of xg) and a_scale * rstd; static: the codes of rstd * xg by the static amax."""
+    of xg) and a_scale * rstd; static: the codes of rstd * xg by the static amax. sq None: no norm, quantize()'s
+    bits of xg from its partial maxima (the int8 SwiGLU GEMV's, one per 8 channels)."""
     if xg.dim() != 2:
         raise ValueError(f"xg must be [T, K], got shape {tuple(xg.shape)}")
     T, K = xg.shape
     check_multiple(K, 8, "the quantized width")
     check_tensor(xg, "xg", torch.float16)
-    if sq.dim() != 2 or sq.shape[0] != T or sq.shape[1] == 0:
-        raise ValueError(f"sq must be [{T}, C] with C > 0, got {tuple(sq.shape)}")
-    C = sq.shape[1]
-    check_tensor(sq, "sq", torch.float32, (T, C), align=4)
+    if mx.dim() != 2 or mx.shape[0] != T or mx.shape[1] == 0:
+        raise ValueError(f"mx must be [{T}, C] with C > 0, got {tuple(mx.shape)}")
+    C = mx.shape[1]
     check_tensor(mx, "mx", torch.float32, (T, C), align=4)
+    if sq is not None:
+        check_tensor(sq, "sq", torch.float32, (T, C), align=4)
     check_static_amax(static_amax)
     q = torch.empty((T, K), dtype=torch.int8, device=xg.device)  # [T, K]
     a_scale = torch.empty((T,), dtype=torch.float32, device=xg.device)  # [T]

@@ -172,6 +172,24 @@ def test_quantize_fold(T, K):
     assert_equal(s, torch.full((T,), 1.5 / 127, device="cuda"), "static a_scale")
 
 
+@pytest.mark.parametrize("M,F,K", [(2, 11008, 4096), (8, 1536, 576), (16, 688, 1040), (5, 8, 64)])
+def test_swiglu_then_quantize_fold_equals_silu_mul_quant(M, F, K):
+    """A decode step of 2-16 rows: the gate|up GEMV with the SwiGLU epilogue, then quantize_fold from its
+    maxima per 8 channels (no norm), against the GEMV, then silu_mul_quant: the same codes and scales, dynamic
+    and static."""
+    from kernels_cu.silu_mul import silu_mul_quant
+
+    q_x, qweight = codes(M, K, seed=F + M), codes(2 * F, K, seed=F + 1)
+    a_scale, w_scale = scales(M, seed=3) * 0.1, scales(2 * F, seed=4) * 0.1
+    d = int8_swiglu(q_x, a_scale, qweight, w_scale)
+    gate_up = int8_gemm(q_x, a_scale, qweight, w_scale)
+    for amax in (None, torch.tensor([0.05], device="cuda")):
+        got = quantize_fold(d.x, d.part, None, 0.0, amax)
+        want = silu_mul_quant(gate_up, amax)
+        assert_equal(got[0], want[0], f"codes M={M} F={F} static={amax is not None}")
+        assert_equal(got[1], want[1], f"a_scale M={M} F={F}")
+
+
 def test_int8_fold_chain_matches_the_rmsnorm_kernel():
     """down_proj writing the deferred norm -> quantize_fold -> q|k|v, as the engine runs it at one row, against
     down_proj -> rmsnorm_quant -> q|k|v: the same product up to the one fp16 rounding the fold drops (some codes
@@ -210,10 +228,10 @@ def test_int8_fold_rejects_bad_inputs():
                   fold_out=FoldOut.new(norm_weight(64, 5), 17, int8=True))
     with pytest.raises(ValueError, match="int8"):
         int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=FoldOut.new(norm_weight(64, 5), 2))
-    with pytest.raises(ValueError, match="mx must have shape"):
+    with pytest.raises(ValueError, match="sq must have shape"):
         quantize_fold(x, torch.zeros(2, 4, device="cuda"), torch.zeros(2, 8, device="cuda"), EPS)
-    with pytest.raises(ValueError, match="sq must be"):
-        quantize_fold(x, torch.zeros(2, 8, device="cuda"), torch.zeros(3, 8, device="cuda"), EPS)
+    with pytest.raises(ValueError, match="mx must be"):
+        quantize_fold(x, torch.zeros(3, 8, device="cuda"), torch.zeros(3, 8, device="cuda"), EPS)
 
 
 def test_deferred_rejects_bad_inputs():
