@@ -131,7 +131,7 @@ struct XqHook {
     }
 };
 
-// The int8 deferred RMSNorm (norm_fold.py, an int8 decode step at one row): an EPI 1 producer (o_proj, down_proj)
+// The int8 deferred RMSNorm (norm_fold.py, int8 decode up to 16 rows): an EPI 1 producer (o_proj, down_proj)
 // writes for the norm after it (weight w [N]), per token m and 8-channel group of its output h: xg [M, N] =
 // fp16(h * w), sq [M, N / 8] = sum of h^2 and mx [M, N / 8] = max |xg|. quantize.cu's quantize_fold then turns
 // them into the next GEMV's codes and a_scale (rstd * xg quantized), which replaces rmsnorm_quant's one-block

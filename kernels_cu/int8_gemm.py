@@ -160,7 +160,7 @@ def _check_fold_out(fold_out: FoldOut | None, M: int, N: int, residual: torch.Te
     if fold_out is None:
         return
     if residual is None or M > max_rows:
-        raise ValueError(f"an int8 GEMV defers the next RMSNorm with its residual, on at most {max(max_rows, 0)} "
+        raise ValueError(f"an int8 GEMV defers the next RMSNorm with its residual, on at most {max_rows} "
                          f"rows here, got {M} rows{'' if residual is not None else ' and no residual'}")
     norm_fold.check_out(fold_out, M, N, int8=True)
 

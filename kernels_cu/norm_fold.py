@@ -11,9 +11,9 @@ activations and scales each token's fp32 sums by rstd = 1 / sqrt(sum(part) / H +
 
     y = fp16(rstd * (xg @ W^T))     where LlamaRMSNorm has   y = fp16(fp16(w * fp16(h * rstd)) @ W^T)
 
-For an int8 consumer (int8_gemm.cu's deferred-quantization GEMVs, one decode row) the producer -- an int8 GEMV
-with its residual -- writes the sums per 8 channels and also mx fp32 [M, H / 8] = max |xg| per 8 channels: the
-consumer quantizes xg by its row max (the codes of rstd * xg, since rstd > 0 cancels) and puts rstd into a_scale.
+For an int8 consumer (int8 decode up to 16 rows) the producer -- an int8 GEMV with its residual -- writes the sums
+per 8 channels and also mx fp32 [M, H / 8] = max |xg| per 8 channels, and quantize.quantize_fold quantizes xg by
+its row max (the codes of rstd * xg, since rstd > 0 cancels) with rstd in a_scale, for the plain int8 GEMV.
 
 Same operations, one fp16 rounding fewer (h * w instead of h * rstd, then * w): the outputs differ from the
 unfolded path by rounding only (tests compare both with the float64 reference). xg holds h * w unnormalized,
