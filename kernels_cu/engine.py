@@ -440,10 +440,8 @@ class Engine:
             gu = L.gate_up(x, fold_in=fold_in)  # [T, 2F]
             a = silu_mul_quant(gu, L.down.amax) if L.down.int8 else silu_mul(gu)  # [T, F]
         nxt = None
-        if int8_fold and i + 1 < c.n_layers:
-            nxt = FoldOut.new(self.layers[i + 1].attn_norm, T, int8=True)
-        elif folding and not int8_fold:
-            nxt = FoldOut.new(self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm, T)
+        if folding and not (int8_fold and i + 1 == c.n_layers):  # int8's final norm stays a kernel
+            nxt = FoldOut.new(self.layers[i + 1].attn_norm if i + 1 < c.n_layers else self.norm, T, int8_fold)
         return L.down(a, residual=h, fold_out=nxt), nxt  # [T, H]
 
     def _rope(self, i: int, qkv: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, cache: GpuCache) -> torch.Tensor:

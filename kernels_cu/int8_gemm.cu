@@ -12,7 +12,7 @@
 // int8_gemv_mt{1,2}_silu: the same for the fused gate|up weight, with the SwiGLU and the row maxima for the down
 //   projection's deferred quantization in the epilogue (silu_mul_part's work).
 // int8_gemv_xq[_res]: the same with x in fp16 plus the partial maxima of each token's row: the block quantizes its
-//   rows itself (quantize_parts' work), see XqHook. _res can also write the inputs of the RMSNorm after it
+//   rows itself (quantize_fold's work), see XqHook. _res can also write the inputs of the RMSNorm after it
 //   deferred (Int8Fold below).
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.

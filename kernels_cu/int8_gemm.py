@@ -11,7 +11,7 @@ a_scale holds one scale per token [M] or one for the tensor [1].
 Deferred quantization (decode, a few rows): `int8_swiglu` writes the SwiGLU of the gate|up product in fp16
 with each block's row maxima, and `int8_gemm` given a `DeferredQuant` (fp16 x + the partial maxima that its
 producer wrote: int8_swiglu, or attention_decode_rope_parts) quantizes x inside the GEMV, by quantize.py's rule
-with the same bits, so neither silu_mul_part nor quantize_parts (nor attention's own quantization round) runs.
+with the same bits, so neither silu_mul_part nor quantize_fold (nor attention's own quantization round) runs.
 
 Deferred RMSNorm (norm_fold.py, int8 decode up to DECODE_MAX_M rows): the residual GEMV (int8_gemm or
 int8_gemm_deferred with fold_out) can write the next norm's FoldOut (FoldOut.new(w, M, int8=True): xg = h * w, the

@@ -5,11 +5,10 @@
 //   q = clamp(rint(x * (127 / amax)), -127, 127), amax clamped to >= 1e-8 (IEEE division, no fast math)
 // Entry points quantize_<dyn|static>_nv<NV>(q int8 [T,K], a_scale f32 [T], static_amax f32 [1],
 //                                          x fp16 [T,K], int K)
-// quantize_parts(q int8 [T,K], a_scale f32 [T], part f32 [T,C], x fp16 [T,K], int K): dynamic, with each row's
-// amax the max of C partial maxima a previous kernel wrote (silu_mul_part); grid (C, T), 8 values a thread.
-// quantize_fold(q, a_scale, mx f32 [T,C], sq f32 [T,C] or null, static_amax f32 [1] or null, x fp16 [T,K], int K,
-// float eps, int C): the RMSNorm before an int8 GEMM deferred into its producer (norm_fold.py), or with sq null
-// quantize()'s bits from C fine partial maxima (the int8 SwiGLU GEMV's); grid (ceil(K / 1024), T).
+// quantize_fold(q int8 [T,K], a_scale f32 [T], mx f32 [T,C], sq f32 [T,C] or null, static_amax f32 [1] or null,
+// x fp16 [T,K], int K, float eps, int C): the RMSNorm before an int8 GEMM deferred into its producer
+// (norm_fold.py), or with sq null quantize()'s bits from C partial maxima that a previous kernel wrote
+// (silu_mul_part's per block, the int8 SwiGLU GEMV's per 8 channels); grid (ceil(K / 1024), T), 8 values a thread.
 #include "common.cuh"
 
 using namespace fllama;
@@ -59,24 +58,7 @@ FLLAMA_QUANTIZE_VARIANTS(2)
 FLLAMA_QUANTIZE_VARIANTS(4)
 FLLAMA_QUANTIZE_VARIANTS(8)
 
-// A row over C blocks: every thread takes the max of the row's C partial maxima (C is small: L1 broadcasts), which is
-// the row's max exactly, so q and a_scale are the bits quantize_dyn gives on the whole row.
 constexpr int PARTS_THREADS = 128;
-extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
-    quantize_parts(int8_t* __restrict__ q, float* __restrict__ a_scale, const float* __restrict__ part,
-                   const __half* __restrict__ x, int K) {
-    pdl_enter();
-    const size_t row = blockIdx.y;
-    const int C = gridDim.x;
-    const int c = blockIdx.x * PARTS_THREADS + threadIdx.x;
-    Half8 v;
-    if (c < K / 8) v = load_half8(x + row * (size_t)K + 8 * c);  // in flight while the maxima are read
-    float amax = 0.0f;
-    for (int i = 0; i < C; ++i) amax = fmaxf(amax, part[row * C + i]);
-    amax = clamp_amax(amax);
-    if (c < K / 8) quantize_store8(q + row * (size_t)K + 8 * c, v, __fdiv_rn(127.0f, amax));
-    if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = __fdiv_rn(amax, 127.0f);
-}
 
 // The int8 deferred RMSNorm (norm_fold.py): x is xg = fp16(h * w) and mx / sq the maxima of |xg| and sums of h^2
 // over C channel groups that its producer wrote (int8_gemm.cu's Int8Fold). LlamaRMSNorm's output is rstd * xg up
@@ -85,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
 // rmsnorm_quant's one block and its chain of reductions (the row, then rstd, then the max): here every block of
 // the row reduces all C partials in one round trip beside its x loads, in a fixed order (every block gets the
 // same rstd), then quantizes its 1024 values. sq null: no norm (rstd = 1), so q and a_scale are quantize()'s
-// bits (the max of the partial maxima is the row's max), for partials too many for quantize_parts' loop.
+// bits (the max of the partial maxima is the row's max).
 extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
     quantize_fold(int8_t* __restrict__ q, float* __restrict__ a_scale, const float* __restrict__ mx,
                   const float* __restrict__ sq, const float* __restrict__ static_amax,

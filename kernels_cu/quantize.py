@@ -56,32 +56,18 @@ def quantize(x: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.
     return q, a_scale
 
 
-PARTS_VALUES = 128 * 8  # quantize_parts: 128 threads of 8 values a block
-
-
-def quantize_parts(x: torch.Tensor, part: torch.Tensor, q: torch.Tensor, a_scale: torch.Tensor) -> None:
-    """Dynamic quantization of fp16 x [T, K] whose row maxima come as C partial maxima part fp32 [T, C], one per
-    PARTS_VALUES values (written by the kernel that made x: silu_mul_part): q int8 [T, K] and a_scale fp32 [T],
-    the bits quantize() gives."""
-    T, K = x.shape
-    C = part.shape[1]
-    if C != -(-K // PARTS_VALUES) or part.shape[0] != T:
-        raise ValueError(f"part must be [{T}, {-(-K // PARTS_VALUES)}] for x [{T}, {K}], got {tuple(part.shape)}")
-    check_tensor(x, "x", torch.float16)
-    check_tensor(part, "part", torch.float32, (T, C), align=4)
-    check_tensor(q, "q", torch.int8, (T, K), align=8)
-    check_tensor(a_scale, "a_scale", torch.float32, (T,), align=4)
-    fn = build.get_function("quantize.cu", "quantize_parts", "PPPPi")
-    fn((C, T), (PARTS_VALUES // 8,), q, a_scale, part, x, K)
+PARTS_VALUES = 128 * 8  # quantize_fold: 128 threads of 8 values a block
 
 
 def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None, eps: float,
-                  static_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                  a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantized output of an RMSNorm deferred into an int8 producer (norm_fold.py): xg fp16 [T, K] = h * w,
     mx / sq fp32 [T, C] the maxima of |xg| and sums of h^2 over C channel groups -> (q int8 [T, K], a_scale fp32
     [T]) of rstd * xg, rstd = 1 / sqrt(sum(sq) / K + eps). Dynamic: xg's codes by its own max (quantize()'s bits
     of xg) and a_scale * rstd; static: the codes of rstd * xg by the static amax. sq None: no norm, quantize()'s
-    bits of xg from its partial maxima (the int8 SwiGLU GEMV's, one per 8 channels)."""
+    bits of xg from its partial maxima (silu_mul_part's one per block, the int8 SwiGLU GEMV's one per 8 channels).
+    q / a_scale: outputs to write, else new."""
     if xg.dim() != 2:
         raise ValueError(f"xg must be [T, K], got shape {tuple(xg.shape)}")
     T, K = xg.shape
@@ -94,8 +80,8 @@ def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None, e
     if sq is not None:
         check_tensor(sq, "sq", torch.float32, (T, C), align=4)
     check_static_amax(static_amax)
-    q = torch.empty((T, K), dtype=torch.int8, device=xg.device)  # [T, K]
-    a_scale = torch.empty((T,), dtype=torch.float32, device=xg.device)  # [T]
+    q = out_or_new(q, (T, K), torch.int8, xg, "q", align=8)  # [T, K]
+    a_scale = out_or_new(a_scale, (T,), torch.float32, xg, "a_scale", align=4)  # [T]
     if T:
         fn = build.get_function("quantize.cu", "quantize_fold", "PPPPPPifi")
         fn((-(-K // PARTS_VALUES), T), (PARTS_VALUES // 8,), q, a_scale, mx, sq, static_amax, xg, K, float(eps), C)

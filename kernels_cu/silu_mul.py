@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.gemm_shapes import cdiv
-from kernels_cu.quantize import PARTS_VALUES, quantize_parts, quantize_ref
+from kernels_cu.quantize import PARTS_VALUES, quantize_fold, quantize_ref
 
 SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
 PART_SIGNATURE = "PPPPPPi"  # y, part, q, a_scale, static_amax, gate_up, F
-PART_VALUES = PARTS_VALUES  # silu_mul_part: 128 threads of 8 values a block, the chunk quantize_parts expects
-# Up to this many rows the int8 variants spread each row over blocks (silu_mul_part + quantize_parts): one block
+PART_VALUES = PARTS_VALUES  # silu_mul_part: 128 threads of 8 values a block, as quantize_fold's
+# Up to this many rows the int8 variants spread each row over blocks (silu_mul_part + quantize_fold): one block
 # per row left all but T SMs idle (LLaMA-2-7B at one row, H200: 8.2 us; docs/gpu.md step 13). SPLIT: off for A/B runs.
 SPLIT_MAX_ROWS = 64
 SPLIT = True
@@ -79,13 +79,13 @@ def silu_mul_quant(gate_up: torch.Tensor, static_amax: torch.Tensor | None = Non
     check_static_amax(static_amax)
     blocks = cdiv(F_, PART_VALUES)
     y = part = None
-    if static_amax is None:  # the fp16 values and each block's absmax, for quantize_parts
+    if static_amax is None:  # the fp16 values and each block's absmax, for quantize_fold
         y = torch.empty((T, F_), dtype=torch.float16, device=gate_up.device)  # [T, F]
         part = torch.empty((T, blocks), dtype=torch.float32, device=gate_up.device)  # [T, C]
     fn = build.get_function("silu_mul.cu", f"silu_mul_part_{mode}", PART_SIGNATURE)
     fn((blocks, T), (PART_VALUES // 8,), y, part, q, a_scale, static_amax, gate_up, F_)
     if static_amax is None:
-        quantize_parts(y, part, q, a_scale)
+        quantize_fold(y, part, None, 0.0, q=q, a_scale=a_scale)
     return q, a_scale
 
 

@@ -44,7 +44,7 @@ def main() -> None:
             quantize(x)
             silu_mul(r(T, 2 * F))
             silu_mul_quant(r(T, 2 * F))
-            silu_mul_quant(r(T, 2 * F), split=True)  # silu_mul_part + quantize_parts (rows spread over blocks)
+            silu_mul_quant(r(T, 2 * F), split=True)  # silu_mul_part + quantize_fold (rows spread over blocks)
             silu_mul_quant(r(T, 2 * F), torch.tensor([3.0], device=dev), split=True)
             embedding(r(V, H), torch.randint(0, V, (T,), device=dev))
             for M in (T, 17):

@@ -75,7 +75,7 @@ def test_chain_eager_bitwise_equal(M):
             got = _chain(x, layers)
         assert torch.isfinite(want).all() and float(want.float().abs().max()) > 0.1
         assert torch.equal(got, want), f"trial {trial}: max diff {float((got.float() - want.float()).abs().max())}"
-    # 11 kernels per layer, all programmatic (silu_mul_quant of a few rows is two: silu_mul_part, quantize_parts)
+    # 11 kernels per layer, all programmatic (silu_mul_quant of a few rows is two: silu_mul_part, quantize_fold)
     assert _launched_programmatically() - before == 3 * 4 * 11
 
 

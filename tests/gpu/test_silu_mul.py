@@ -9,7 +9,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, po
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu.quantize import quantize_parts, quantize_ref  # noqa: E402
+from kernels_cu.quantize import quantize_fold, quantize_ref  # noqa: E402
 from kernels_cu.silu_mul import silu_mul, silu_mul_interleaved, silu_mul_quant, silu_mul_ref  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order, swiglu_interleaved  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_silu_mul(T, F):
 @pytest.mark.parametrize("F", FFN + [8, 1032])  # + one vector; a second block with one vector (silu_mul_part)
 @pytest.mark.parametrize("T", TOKENS + [100])
 def test_silu_mul_quant_is_bitwise(T, F, static, split):
-    """One block per row or each row over several blocks (silu_mul_part + quantize_parts): quantize_ref's bits
+    """One block per row or each row over several blocks (silu_mul_part + quantize_fold): quantize_ref's bits
     both ways, a row of zeros (amax clamped) included."""
     gate_up = randn(T, 2 * F, scale=3.0, seed=F * T + 1)
     gate_up[T // 2] = 0.0
@@ -56,7 +56,8 @@ def test_silu_mul_quant_picks_the_split_for_few_rows(monkeypatch):
 
     gate_up = randn(mod.SPLIT_MAX_ROWS, 2 * 1536, seed=3)
     calls = []
-    monkeypatch.setattr(mod, "quantize_parts", lambda *a: calls.append(tuple(a[0].shape)) or quantize_parts(*a))
+    monkeypatch.setattr(mod, "quantize_fold",
+                        lambda *a, **k: calls.append(tuple(a[0].shape)) or quantize_fold(*a, **k))
     silu_mul_quant(gate_up)
     silu_mul_quant(randn(mod.SPLIT_MAX_ROWS + 1, 2 * 1536, seed=4))
     monkeypatch.setattr(mod, "SPLIT", False)
