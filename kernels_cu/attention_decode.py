@@ -34,7 +34,7 @@ import torch
 
 from kernels_cu import build, counters
 from kernels_cu.checks import check_static_amax, check_tensor, out_or_new
-from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count
+from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count, smem_per_sm
 
 HEAD_DIMS = (64, 128)
 SLOTS = 8  # query heads per block
@@ -212,11 +212,6 @@ def reset_counters() -> None:
     counters.reset(COUNTER_POOL)
 
 
-def _smem_per_sm(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
-
-
 def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant: bool,
                   static_amax=None, q_out=None, a_scale=None, splits: int | None = None,
                   cos_sin: torch.Tensor | None = None, n_heads: int | None = None, parts: bool = False):
@@ -238,7 +233,7 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
         fn_cl = build.get_function("attention_decode.cu", name + "_cl", SIGNATURE)
         smem = fused_smem_bytes(D, kv8)
         max_clusters = lambda s: fn_cl.max_active_clusters((s, units), (FUSED_THREADS,), smem, (s, 1, 1))  # noqa: E731
-    launch = fused_launch(L, B, Hkv, groups, D, kv8, sm_count(q.device.index), _smem_per_sm(q.device), chunk,
+    launch = fused_launch(L, B, Hkv, groups, D, kv8, sm_count(q.device.index), smem_per_sm(q.device.index), chunk,
                           splits, max_clusters)
     with build.on_stream():
         # the dynamic quantization reads a row of out back with 16-byte loads

@@ -41,15 +41,14 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
                                           const float* __restrict__ fold_in, float eps) {
     __shared__ float red[WARPS][MT][4][32];
     __shared__ float s_rstd[8 * MT];
+    extern __shared__ __align__(128) uint8_t gemv_ring[];  // the main loop's (gemm_common.cuh)
+    if (dynamic_smem_size() < gemv_ring_bytes<WARPS, UNROLL>()) __trap();  // the launcher's shared=
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
     const int m0 = blockIdx.y * 8 * MT;
     const int rows = min(M - m0, 8 * MT);
 
-    const bool lo_ok = n0 + g < N, hi_ok = n0 + g + 8 < N;
-    const __half* w_lo = weight + (size_t)(lo_ok ? n0 + g : 0) * K + 8 * t;
-    const __half* w_hi = weight + (size_t)(hi_ok ? n0 + g + 8 : 0) * K + 8 * t;
     bool x_ok[MT];
     const __half* x_row[MT];
     token_rows<MT>(x, M, K, m0, g, 8 * t, x_ok, x_row);
@@ -63,7 +62,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
     if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[n0 + g], fold_w[n0 + g + 8]);
 
-    gemv_mainloop<WARPS, UNROLL, TILE_K>(w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 8 * t, warp, acc,
+    gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 8 * t, warp, acc,
                                          [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                             uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); },
                                          FoldHook{fold_in, m0, rows, K});
@@ -114,7 +113,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
 // (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K,
 //  fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
 #define FLLAMA_FP16_GEMV(NAME, MT, EPI)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256)                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                   \
         NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K,  \
              const __half* fold_w, __half* fold_xg, float* fold_part, const float* fold_in, float eps) {     \
         fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps);       \

@@ -16,7 +16,7 @@ import torch
 
 from kernels_cu import build, norm_fold
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
-from kernels_cu.gemm_shapes import GEMV_THREADS, gemv_grid, token_tile
+from kernels_cu.gemm_shapes import GEMV_RING_BYTES, GEMV_THREADS, gemv_grid, gemv_shared, token_tile
 from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.silu_mul import silu_mul_interleaved
 from kernels_cu.swiglu_layout import swiglu_interleaved
@@ -83,8 +83,9 @@ def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out:
     norm_fold.check_out(fold_out, M, N)
     norm_fold.check_in(fold_in, M, K)
     fn = build.get_function("fp16_gemv.cu", name, SIGNATURE)
-    fn(gemv_grid(M, N), (GEMV_THREADS,), y, x, weight, residual, M, N, K, *norm_fold.out_args(fold_out),
-       *norm_fold.in_args(fold_in))
+    grid = gemv_grid(M, N)
+    fn(grid, (GEMV_THREADS,), y, x, weight, residual, M, N, K, *norm_fold.out_args(fold_out),
+       *norm_fold.in_args(fold_in), shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
 
 
 def fp16_swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

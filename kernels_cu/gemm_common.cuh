@@ -241,14 +241,27 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 }
 
 // ---- the fp16 / int8 decode GEMV main loop ---------------------------------------------------------
-// Block = WARPS warps on 16 output channels (rows g and g + 8), the warps splitting K in steps of UNROLL
-// tiles of TILE_K. Per tile a lane loads 16 bytes of weight rows g and g + 8 (w_lo / w_hi already point at
-// the lane's offset lane_k in the row) and 16 bytes of each of its MT token rows, and
-// mma(acc[mt], a0, a1, a2, a3, b0, b1) takes the two k-halves of them (a0/a2 = words 0-1 of row g, then 2-3).
-// K % (16 bytes of T) == 0: a lane's 16 bytes are all in or all out. Loads are software-pipelined one step
-// ahead (ptxas would otherwise sink each load next to its mma and keep only a quarter of them in flight);
-// the first step's weights depend on no earlier kernel and are in flight before pdl_wait(); after_wait()
-// runs right after it (the fp16 GEMV's deferred norm prefetches there, norm_fold.cuh).
+// Block = WARPS warps on 16 output channels: mma rows g (weight rows lo_row + g) and g + 8 (hi_row + g), the
+// warps splitting K in steps of UNROLL tiles of TILE_K (64 bytes of a row). Per tile lane (g, t) feeds the mma
+// 16 bytes of rows g and g + 8 at byte 16 t of the tile and 16 bytes of each of its MT token rows (x_row[mt]
+// already points at the lane's offset lane_k); mma(acc[mt], a0, a1, a2, a3, b0, b1) takes the two k-halves of
+// them (a0/a2 = words 0-1 of row g, then 2-3).
+// The weights do not go to registers in that shape: a warp load of it covers half of 8 lines (8 rows x 64
+// bytes), and such GEMVs ran at 80-87% of the copy bandwidth where whole lines per instruction ran at 93-97%
+// (H200, step 18 of docs/gpu.md). Each step is copied by cp.async as whole lines (quarter-warp q copies the
+// 128-byte lines of rows 2q, 2q + 1, 8 + 2q, 9 + 2q, lane chunk lane & 7) into the warp's own stage of a ring
+// in shared memory (GEMV_STAGES stages of 16 rows x UNROLL * 64 bytes, chunk c of odd rows stored at c ^ 4 so
+// that the lanes of one 16-byte read phase, rows g and g + 1, hit 8 different bank groups), and each lane
+// reads its tile fragments from there. Copies in flight hold no registers; the next GEMV_STAGES - 1 steps are
+// in flight while one is computed, and the first ones are issued before pdl_wait() (weights depend on no
+// earlier kernel). after_wait() runs right after the wait (the fp16 GEMV's deferred norm prefetches there,
+// norm_fold.cuh). K % (16 bytes of T) == 0: a chunk is all in or all out (zero-filled).
+#ifndef FLLAMA_GEMV_STAGES
+#define FLLAMA_GEMV_STAGES 2
+#endif
+constexpr int GEMV_STAGES = FLLAMA_GEMV_STAGES;
+constexpr int GEMV_ROWS_PER_BLOCK = 16;
+
 struct NoHook {
     __device__ __forceinline__ void operator()() const {}
 };
@@ -262,24 +275,60 @@ struct SharedX {
         return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
     }
 };
+
+// Bytes of the ring (dynamic shared memory) for a block of WARPS warps.
+template <int WARPS, int UNROLL>
+__host__ __device__ constexpr int gemv_ring_bytes() {
+    return WARPS * GEMV_STAGES * GEMV_ROWS_PER_BLOCK * UNROLL * 64;
+}
+
 template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, typename Mma,
           typename AfterWait = NoHook, typename XLoad = GlobalX>
-__device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool lo_ok, bool hi_ok,
+__device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int hi_row, int n_rows, uint8_t* ring,
                                               const T* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
                                               int lane_k, int warp, Acc (&acc)[MT][4], Mma mma,
                                               AfterWait after_wait = {}, XLoad x_load = {}) {
-    const int tiles = (K + TILE_K - 1) / TILE_K;
+    static_assert(TILE_K * sizeof(T) == 64 && UNROLL % 2 == 0, "a pair of tiles is one 128-byte line");
+    constexpr int ROW_BYTES = UNROLL * 64, STAGE_BYTES = GEMV_ROWS_PER_BLOCK * ROW_BYTES;
     constexpr int STRIDE = WARPS * UNROLL;
-    uint4 wl[UNROLL], wh[UNROLL], xv[UNROLL][MT];
-    auto load_w = [&](int base, uint4 (&l)[UNROLL], uint4 (&h)[UNROLL]) {
+    const int tiles = (K + TILE_K - 1) / TILE_K;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    uint8_t* my_ring = ring + warp * GEMV_STAGES * STAGE_BYTES;
+
+    // the copies: this lane's rows (mma rows 2q, 2q + 1, 8 + 2q, 9 + 2q) and its chunk of each line
+    const int pair = 2 * (lane >> 3), chunk = lane & 7;
+    const int chunk_k = chunk * (16 / (int)sizeof(T));
+    const T* src[4];
+    bool row_ok[4];
+    uint32_t dst[4];  // shared-memory offset of the chunk in a stage (tile pair 0)
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = (base + u) * TILE_K;
-            const bool k_ok = k + lane_k < K;
-            l[u] = ld_stream(w_lo + k, k_ok && lo_ok);
-            h[u] = ld_stream(w_hi + k, k_ok && hi_ok);
+    for (int i = 0; i < 4; ++i) {
+        const int mrow = (i < 2 ? 0 : 8) + pair + (i & 1);
+        const int r = (i < 2 ? lo_row : hi_row) + pair + (i & 1);
+        row_ok[i] = r < n_rows;
+        src[i] = weight + (size_t)(row_ok[i] ? r : 0) * K + chunk_k;
+        dst[i] = mrow * ROW_BYTES + 16 * (chunk ^ ((mrow & 1) << 2));
+    }
+    auto issue = [&](int base, int stage) {  // one step's lines into a stage, one commit group (empty past K)
+        if (base < tiles) {
+            uint8_t* st = my_ring + stage * STAGE_BYTES;
+#pragma unroll
+            for (int u = 0; u < UNROLL; u += 2) {
+                const int k = (base + u) * TILE_K;
+                const bool k_ok = k + chunk_k < K;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) cp_async16(st + dst[i] + 64 * u, src[i] + k, k_ok && row_ok[i]);
+            }
         }
+        cp_async_commit();
     };
+    // the fragments: rows g and g + 8 at byte 64 u + 16 t of the row = line u / 2, chunk 4 (u & 1) + t
+    const int rd_lo = g * ROW_BYTES, rd_hi = (g + 8) * ROW_BYTES;
+    auto frag = [&](const uint8_t* st, int row_off, int u) {
+        const int c = (4 * (u & 1) + t) ^ ((g & 1) << 2);
+        return *reinterpret_cast<const uint4*>(st + row_off + 128 * (u >> 1) + 16 * c);
+    };
+    uint4 xv[UNROLL][MT];
     auto load_x = [&](int base, uint4 (&xs)[UNROLL][MT]) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -288,31 +337,38 @@ __device__ __forceinline__ void gemv_mainloop(const T* w_lo, const T* w_hi, bool
             for (int mt = 0; mt < MT; ++mt) xs[u][mt] = x_load(x_row[mt] + k, k + lane_k < K && x_ok[mt]);
         }
     };
-    load_w(warp * UNROLL, wl, wh);
+#pragma unroll
+    for (int s = 0; s < GEMV_STAGES - 1; ++s) issue(warp * UNROLL + s * STRIDE, s);
     pdl_wait();
     pdl_gemv_started();
     after_wait();
     load_x(warp * UNROLL, xv);
+    int stage = 0;
     for (int base = warp * UNROLL; base < tiles; base += STRIDE) {
-        uint4 nl[UNROLL], nh[UNROLL], nx[UNROLL][MT];
-        load_w(base + STRIDE, nl, nh);  // past the end: all guards false, no traffic
+        issue(base + (GEMV_STAGES - 1) * STRIDE, (stage + GEMV_STAGES - 1) % GEMV_STAGES);
+        uint4 nx[UNROLL][MT];
         load_x(base + STRIDE, nx);
+        cp_async_wait<GEMV_STAGES - 1>();
+        __syncwarp();  // the other lanes' copies of this stage have landed
+        const uint8_t* st = my_ring + stage * STAGE_BYTES;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint4 wl = frag(st, rd_lo, u), wh = frag(st, rd_hi, u);
 #pragma unroll
             for (int s = 0; s < 2; ++s)
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                    mma(acc[mt], word(wl[u], 2 * s), word(wh[u], 2 * s), word(wl[u], 2 * s + 1), word(wh[u], 2 * s + 1),
+                    mma(acc[mt], word(wl, 2 * s), word(wh, 2 * s), word(wl, 2 * s + 1), word(wh, 2 * s + 1),
                         word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
+        }
+        __syncwarp();  // every lane has read the stage before the next issue refills it
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            wl[u] = nl[u];
-            wh[u] = nh[u];
+        for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) xv[u][mt] = nx[u][mt];
-        }
+        stage = (stage + 1) % GEMV_STAGES;
     }
+    cp_async_wait<0>();  // nothing of ours in flight when the block moves on (the fold's cp.async included)
     pdl_gemv_streamed();
 }
 

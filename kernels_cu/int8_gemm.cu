@@ -159,24 +159,19 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     static_assert(!XQ || MT == 1, "the deferred quantization holds 8 token rows");
     __shared__ int red[WARPS][MT][4][32];
     __shared__ float s_inv[8], s_scale[8], s_red[8 * WARPS];
-    extern __shared__ __align__(16) int8_t xs[];  // XQ: [rows][K]
+    extern __shared__ __align__(128) int8_t xs[];  // XQ: [rows][K]; then the main loop's ring (gemm_common.cuh)
+    const uint32_t ring_at = XQ ? ((uint32_t)min(M, 8) * K + 127) / 128 * 128 : 0;
+    if (dynamic_smem_size() < ring_at + gemv_ring_bytes<WARPS, UNROLL>()) __trap();  // the launcher's shared=
+    uint8_t* ring = reinterpret_cast<uint8_t*>(xs) + ring_at;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int m0 = blockIdx.y * 8 * MT;
     const int rows = min(M - m0, 8 * MT);
 
-    int lo_row, hi_row;
-    if (EPI == 2) {
-        lo_row = blockIdx.x * 8 + g;
-        hi_row = N + lo_row;
-    } else {
-        lo_row = blockIdx.x * 16 + g;
-        hi_row = lo_row + 8;
-    }
+    // the weight rows of mma rows 0-7 and 8-15
+    const int lo_row = EPI == 2 ? blockIdx.x * 8 : blockIdx.x * 16;
+    const int hi_row = EPI == 2 ? N + lo_row : lo_row + 8;
     const int n_rows = EPI == 2 ? 2 * N : N;
-    const bool lo_ok = lo_row < n_rows, hi_ok = hi_row < n_rows;
-    const int8_t* w_lo = qweight + (size_t)(lo_ok ? lo_row : 0) * K + 16 * t;
-    const int8_t* w_hi = qweight + (size_t)(hi_ok ? hi_row : 0) * K + 16 * t;
     bool x_ok[MT];
     const int8_t* x_row[MT];
     if (XQ) {
@@ -202,10 +197,11 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     };
     if constexpr (XQ) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
-            w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 16 * t, warp, acc, mma,
+            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, acc, mma,
             XqHook{xs, s_inv, s_scale, s_red, x16, part_in, static_amax, C, m0, rows, K}, SharedX{});
     } else {
-        gemv_mainloop<WARPS, UNROLL, TILE_K>(w_lo, w_hi, lo_ok, hi_ok, x_row, x_ok, K, 16 * t, warp, acc, mma);
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, acc,
+                                             mma);
     }
 
 #pragma unroll

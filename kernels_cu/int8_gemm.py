@@ -28,7 +28,8 @@ import torch
 from calibrate.int8 import int8_gemm_ref as _contract_gemm
 from kernels_cu import build, int8_wgmma, norm_fold
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new
-from kernels_cu.gemm_shapes import GEMV_THREADS, cdiv, gemv_grid, token_tile
+from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_THREADS, cdiv, gemv_grid, gemv_shared, gemv_xq_shared,
+                                    token_tile)
 from kernels_cu.norm_fold import FoldOut
 from kernels_cu.quantize import quantize
 
@@ -86,7 +87,7 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", "PPPiPPPPPPPPiii")
         fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1],
            xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
-           shared=M * K)
+           shared=gemv_shared(cdiv(N, 16), gemv_xq_shared(M, K)))
     return y
 
 
@@ -106,8 +107,9 @@ def int8_swiglu(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor,
         if M:
             mt = token_tile(M)
             fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{mt}_silu", "PPPPiPPiii")
-            fn((F // 8, cdiv(M, 8 * mt)), (GEMV_THREADS,), y, part, q_x, a_scale,
-               1 if a_scale.numel() == M else 0, qweight, w_scale, M, F, K)
+            grid = (F // 8, cdiv(M, 8 * mt))
+            fn(grid, (GEMV_THREADS,), y, part, q_x, a_scale, 1 if a_scale.numel() == M else 0, qweight, w_scale,
+               M, F, K, shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
     return DeferredQuant(y, part)
 
 
@@ -142,8 +144,9 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
             fn((cdiv(M * N // 4, GEMV_THREADS),), (GEMV_THREADS,), y, acc, a_scale, a_stride, w_scale, residual, M, N)
         else:
             fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{token_tile(M)}{res}", "PPPiPPPPPPPiii")
-            fn(gemv_grid(M, N), (GEMV_THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual,
-               *_fold_args(fold_out), M, N, K)
+            grid = gemv_grid(M, N)
+            fn(grid, (GEMV_THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual,
+               *_fold_args(fold_out), M, N, K, shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
     return y
 
 

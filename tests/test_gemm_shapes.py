@@ -9,8 +9,9 @@ import torch
 
 from kernels_cu.attention_decode import attention_decode_ref
 from kernels_cu.attention_prefill import attention_prefill, attention_prefill_ref
-from kernels_cu.gemm_shapes import (ATTN_CHUNKS, AWQ_TILE_K, AWQ_WARPS, attn_chunk, awq_launch, cdiv, gemv_grid,
-                                    token_tile)
+from kernels_cu import gemm_shapes
+from kernels_cu.gemm_shapes import (ATTN_CHUNKS, AWQ_TILE_K, AWQ_WARPS, GEMV_RING_BYTES, attn_chunk, awq_launch, cdiv,
+                                    gemv_grid, gemv_shared, gemv_xq_shared, token_tile)
 from kernels_cu.int8_gemm import int8_gemm_ref
 
 
@@ -38,6 +39,19 @@ def test_gemv_grid_and_token_tiles():
     assert gemv_grid(1, 4096) == (256, 1)
     assert gemv_grid(16, 4100) == (257, 1)
     assert gemv_grid(40, 16) == (1, 3)
+
+
+@pytest.mark.parametrize("sms,smem", [(132, 228 * 1024), (108, 164 * 1024)])
+def test_gemv_shared_keeps_one_wave_grids_at_two_blocks_per_sm(monkeypatch, sms, smem):
+    monkeypatch.setattr(gemm_shapes, "sm_count", lambda index=None: sms)
+    monkeypatch.setattr(gemm_shapes, "smem_per_sm", lambda index: smem)
+    static = 6 * 1024  # the kernels' static shared memory and the per-block reserve, rounded up
+    for blocks in (1, 256, 2 * sms):
+        got = gemv_shared(blocks, GEMV_RING_BYTES, 0)
+        assert 2 * (got + static) <= smem < 3 * (got + static), (blocks, got)
+    assert gemv_shared(2 * sms + 1, GEMV_RING_BYTES, 0) == GEMV_RING_BYTES  # more waves: as many per SM as fit
+    assert gemv_shared(1, gemv_xq_shared(8, 11008), 0) == gemv_xq_shared(8, 11008)  # never less than needed
+    assert gemv_xq_shared(1, 4096) == 4096 + GEMV_RING_BYTES and gemv_xq_shared(3, 11) % 128 == 0
 
 
 def test_attention_chunk_depends_on_shape_only():

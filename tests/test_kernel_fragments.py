@@ -198,11 +198,51 @@ def test_awq_gemm_tile():
     np.testing.assert_allclose(out, ref, rtol=1e-9, atol=1e-9)
 
 
+GEMV_ROW_BYTES = 4 * 64  # gemm_common.cuh: a stage holds 16 rows of UNROLL = 4 tiles of 64 bytes
+
+
+def gemv_stage_copies(wbuf: np.ndarray, row_bytes: int, lines: int) -> np.ndarray:
+    """gemv_mainloop's cp.async pattern: per line (a pair of tiles) lane copies chunk lane & 7 of rows 2q, 2q + 1,
+    8 + 2q, 9 + 2q (q = lane / 8) into the stage, odd rows' chunks at c ^ 4. Checks every quarter-warp's 8 copies
+    hit 8 different 16-byte bank groups, and returns the stage."""
+    stage = np.zeros(16 * GEMV_ROW_BYTES, dtype=np.uint8)
+    for line in range(lines):
+        for i in range(4):
+            groups = {q: set() for q in range(4)}
+            for lane in range(32):
+                pair, chunk = 2 * (lane >> 3), lane & 7
+                mrow = (0 if i < 2 else 8) + pair + (i & 1)
+                dst = mrow * GEMV_ROW_BYTES + 16 * (chunk ^ ((mrow & 1) << 2)) + 128 * line
+                src = mrow * row_bytes + 128 * line + 16 * chunk
+                stage[dst:dst + 16] = wbuf[src:src + 16]
+                groups[lane >> 3].add((dst // 16) % 8)
+            assert all(len(g) == 8 for g in groups.values())
+    return stage
+
+
+def gemv_fragment(stage: np.ndarray, lane: int, u: int, hi: bool) -> list[int]:
+    """The lane's 16 bytes of tile u of row g (or g + 8) from the stage, as gemv_mainloop's frag() reads them."""
+    g, t = lane >> 2, lane & 3
+    c = (4 * (u & 1) + t) ^ ((g & 1) << 2)
+    return words_of(stage, (g + 8 * hi) * GEMV_ROW_BYTES + 128 * (u >> 1) + 16 * c, 4)
+
+
+def test_gemv_fragment_reads_are_conflict_free():
+    for u in range(4):
+        for hi in (False, True):
+            for phase in range(4):  # a 16-byte shared load runs as 4 phases of 8 lanes
+                lanes = range(8 * phase, 8 * phase + 8)
+                offs = [((lane >> 2) + 8 * hi) * GEMV_ROW_BYTES + 128 * (u >> 1)
+                        + 16 * ((4 * (u & 1) + (lane & 3)) ^ (((lane >> 2) & 1) << 2)) for lane in lanes]
+                assert len({(o // 16) % 8 for o in offs}) == 8
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp16"])
 def test_gemv_tile(kind):
-    """int8_gemm.cu / fp16_gemv.cu: one warp, 16 channels, one k tile (64 bytes of int8 or 32 halves)."""
+    """int8_gemm.cu / fp16_gemv.cu: one warp, 16 channels, one line of every row (two k tiles of 64 bytes of int8
+    or 32 halves) through the shared-memory stage, against the product."""
     int8 = kind == "int8"
-    K = 64 if int8 else 32
+    K = 128 if int8 else 64
     if int8:
         W = RNG.integers(-127, 128, (16, K)).astype(np.int8)
         X = RNG.integers(-127, 128, (8, K)).astype(np.int8)
@@ -212,18 +252,20 @@ def test_gemv_tile(kind):
     ref = X.astype(np.float64) @ W.astype(np.float64).T  # [8 tokens, 16 channels]
     wbuf, xbuf = W.view(np.uint8).reshape(-1), X.view(np.uint8).reshape(-1)
     row_bytes = K * W.itemsize
+    stage = gemv_stage_copies(wbuf, row_bytes, 1)
     acc = [[0.0] * 4 for _ in range(32)]
-    for s in range(2):
-        a, b = [], []
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            wl = words_of(wbuf, g * row_bytes + 16 * t, 4)
-            wh = words_of(wbuf, (g + 8) * row_bytes + 16 * t, 4)
-            xv = words_of(xbuf, g * row_bytes + 16 * t, 4)
-            a.append([wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]])
-            b.append([xv[2 * s], xv[2 * s + 1]])
-        d = (mma_s8 if int8 else mma_f16)(a, b)
-        acc = [[acc[l][r] + d[l][r] for r in range(4)] for l in range(32)]
+    for u in range(2):
+        for s in range(2):
+            a, b = [], []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                wl, wh = gemv_fragment(stage, lane, u, False), gemv_fragment(stage, lane, u, True)
+                assert wl == words_of(wbuf, g * row_bytes + 64 * u + 16 * t, 4)  # what a direct load would give
+                xv = words_of(xbuf, g * row_bytes + 64 * u + 16 * t, 4)
+                a.append([wl[2 * s], wh[2 * s], wl[2 * s + 1], wh[2 * s + 1]])
+                b.append([xv[2 * s], xv[2 * s + 1]])
+            d = (mma_s8 if int8 else mma_f16)(a, b)
+            acc = [[acc[l][r] + d[l][r] for r in range(4)] for l in range(32)]
     out = np.full((8, 16), np.nan)
     for l in range(32):  # the epilogue's indexing: n = l/4 (+8 for r >= 2), m = 2(l%4) + (r & 1)
         for r in range(4):

@@ -520,7 +520,7 @@ def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, 
     cl_fn = build.get_function("attention_decode.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
     before = cl_fn.cluster_launches
     groups = -(-(H // Hkv) // ad.SLOTS)
-    S = ad.fused_launch(L, B, Hkv, groups, D, int8, ad.sm_count(0), ad._smem_per_sm(torch.device("cuda")),
+    S = ad.fused_launch(L, B, Hkv, groups, D, int8, ad.sm_count(0), ad.smem_per_sm(0),
                         max_clusters=lambda s: cl_fn.max_active_clusters((s, B * Hkv * groups), (ad.FUSED_THREADS,),
                                                                          ad.fused_smem_bytes(D, int8), (s, 1, 1))).splits
     for rope in (False, True):
@@ -547,7 +547,7 @@ def test_cluster_grid_fits_in_one_wave(B, D, int8):
 
     def fits(s):
         return fn.max_active_clusters((s, units), (ad.FUSED_THREADS,), smem, (s, 1, 1))
-    launch = ad.fused_launch(L, B, Hkv, 1, D, int8, ad.sm_count(0), ad._smem_per_sm(torch.device("cuda")),
+    launch = ad.fused_launch(L, B, Hkv, 1, D, int8, ad.sm_count(0), ad.smem_per_sm(0),
                              max_clusters=fits)
     assert launch.cluster and 2 <= launch.splits <= ad.CLUSTER_MAX, launch
     assert fits(launch.splits) >= units

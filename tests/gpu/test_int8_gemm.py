@@ -79,3 +79,24 @@ def test_rejects_bad_inputs():
         int8_gemm(q_x, scales(3, 4), qweight, w_scale)
     with pytest.raises(ValueError, match="aligned"):
         int8_gemm(codes(136, seed=5)[8:].view(2, 64), scales(2, 4), qweight, w_scale)  # 8-byte offset
+
+
+@pytest.mark.parametrize("cu,name,sig", [
+    ("int8_gemm.cu", "int8_gemv_mt1", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_res", "PPPiPPPPPPPiii"),
+    ("int8_gemm.cu", "int8_gemv_mt2", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_silu", "PPPPiPPiii"),
+    ("int8_gemm.cu", "int8_gemv_xq_res", "PPPiPPPPPPPPiii"), ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPf"),
+    ("fp16_gemv.cu", "fp16_gemv_mt2_res", "PPPPiiiPPPPf"), ("fp16_gemv.cu", "fp16_gemv_mt1_silu", "PPPPiiiPPPPf")])
+def test_gemv_ring_residency(cu, name, sig):
+    """gemv_shared's shared memory: a one-wave grid gets exactly two blocks per SM (never three, which leaves SMs
+    idle), a longer grid the ring alone, and the registers leave room for two blocks either way."""
+    from kernels_cu import build
+    from kernels_cu.gemm_shapes import GEMV_RING_BYTES, GEMV_THREADS, gemv_shared, gemv_xq_shared, sm_count, smem_per_sm
+
+    res = build.get_function(cu, name, sig).resources()
+    assert res["local_bytes"] == 0, res
+    assert -(-res["registers"] // 8) * 8 * GEMV_THREADS * 2 <= 65536, res
+    need = gemv_xq_shared(1, 4096) if "xq" in name else GEMV_RING_BYTES
+    per_block = lambda dyn: dyn + res["shared_bytes"] + 1024  # the driver reserves 1 KB a block  # noqa: E731
+    one_wave = gemv_shared(256, need, 0)
+    assert 2 * per_block(one_wave) <= smem_per_sm(0) < 3 * per_block(one_wave), (res, one_wave)
+    assert gemv_shared(2 * sm_count(0) + 1, need, 0) == need and 2 * per_block(need) <= smem_per_sm(0)
