@@ -2,10 +2,12 @@
 // fp32 accumulation, weight [N, K] row-major read once per 8 * MT tokens.
 //
 // Same tiling as int8_gemv (int8_gemm.cu): block = 8 warps owning 16 output channels, warps split K
-// and meet in shared memory; per 32-wide k tile a lane loads 16 bytes (8 halves) of weight rows g and
+// and meet in shared memory; per 32-wide k tile a lane takes 16 bytes (8 halves) of weight rows g and
 // g + 8 and of activation row g, and feeds two m16n8k16 mma with A = weights, B = tokens (D = y^T).
 // The lane's 8 halves go 4 + 4 to the two mma (a0/a2 = halves 0-1/2-3, then 4-5/6-7) and the activation
-// halves the same way. The main loop is gemm_common.cuh gemv_mainloop, shared with int8_gemv.
+// halves the same way. The main loop is gemm_common.cuh gemv_mainloop, shared with int8_gemv: the weights
+// arrive as whole 128-byte lines in a per-warp ring of dynamic shared memory (the launcher's shared=,
+// gemm_shapes.gemv_shared), the activations straight into registers.
 // The deferred RMSNorm (norm_fold.cuh), chosen at run time by non-null pointers: fold_w (EPI 1 only) makes
 // this GEMV a producer (also xg = fp16(h * fold_w) and each panel's sum of h^2; N % 16 == 0), fold_in a
 // consumer (x is xg, each token's sums scaled by its rstd before rounding).

@@ -3,7 +3,8 @@
 //
 // int8_gemv_mt{1,2}[_res]: the decode kernel (memory-bound; every weight byte is read once per 8*MT tokens).
 //   Block = 8 warps owning 16 output channels; the warps split K and meet in shared memory.
-//   Per 64-wide k tile a lane loads 16 bytes of weight row g and of row g + 8 and 16 bytes of activation
+//   Per 64-wide k tile a lane takes 16 bytes of weight row g and of row g + 8 (from the main loop's ring of
+//   whole lines in dynamic shared memory, gemm_common.cuh) and 16 bytes of activation
 //   row g (per 8-token tile) and feeds two m16n8k32 s8 mma: the weights are the A operand (16 channels),
 //   the tokens the B operand (8 tokens), so D = y^T and M <= 8 wastes no weight bandwidth. The lane's 16
 //   contiguous bytes are split 8 + 8 over the two mma (a0/a2 = bytes 0-3/4-7 then 8-11/12-15), and the
@@ -23,7 +24,7 @@ using namespace fllama;
 namespace {
 
 constexpr int WARPS = 8;
-constexpr int UNROLL = 4;  // 64-wide k tiles in flight per warp: 8 x 16-byte weight loads per lane
+constexpr int UNROLL = 4;  // 64-wide k tiles per warp step: 16 rows x 256 bytes of weight lines
 constexpr int TILE_K = 64;
 
 // The deferred quantization (XQ entries): x arrives in fp16 with each token's row max as C partial maxima that
