@@ -115,7 +115,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
 // (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K,
 //  fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
 #define FLLAMA_FP16_GEMV(NAME, MT, EPI)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256)                                                   \
+    extern "C" __global__ void __launch_bounds__(256)                                                       \
         NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K,  \
              const __half* fold_w, __half* fold_xg, float* fold_part, const float* fold_in, float eps) {     \
         fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps);       \

@@ -256,10 +256,7 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 // in flight while one is computed, and the first ones are issued before pdl_wait() (weights depend on no
 // earlier kernel). after_wait() runs right after the wait (the fp16 GEMV's deferred norm prefetches there,
 // norm_fold.cuh). K % (16 bytes of T) == 0: a chunk is all in or all out (zero-filled).
-#ifndef FLLAMA_GEMV_STAGES
-#define FLLAMA_GEMV_STAGES 2
-#endif
-constexpr int GEMV_STAGES = FLLAMA_GEMV_STAGES;
+constexpr int GEMV_STAGES = 2;  // gemm_shapes.GEMV_STAGES (3 measured no better, docs/gpu.md step 18)
 constexpr int GEMV_ROWS_PER_BLOCK = 16;
 
 struct NoHook {
