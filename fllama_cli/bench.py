@@ -43,7 +43,7 @@ def bench_cmd(
     group_size: Annotated[int, typer.Option("--group-size", help="AWQ group size for random weights.")] = 128,
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown to this file.")] = None,
     pdl: Annotated[Optional[bool], typer.Option("--pdl/--no-pdl", help="Programmatic dependent launch on Hopper (each kernel starts while the previous one finishes; on unless FLLAMA_PDL=0); --no-pdl to compare.")] = None,
-    fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Small-batch decode (fp16 up to 8 rows, awq up to 4): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
+    fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Small-batch decode (fp16 up to 8 rows, awq up to 4, int8 up to 16): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
     fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
     random: RandomOpt = False,
     seed: SeedOpt = None,

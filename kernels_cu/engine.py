@@ -256,7 +256,7 @@ class EngineConfig:
     max_len: int = 4096  # KV positions per row, capped at the model's context
     use_graphs: bool = True
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
-    fold_norms: bool = True  # small-batch decode (fp16, AWQ: FOLD_MAX_ROWS): RMSNorms deferred into the GEMVs
+    fold_norms: bool = True  # small decode batches (fp16, AWQ: FOLD_MAX_ROWS; int8: 16 rows): norms deferred into GEMVs
     fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
     # int8 decode of up to XQ_MAX_ROWS (1) rows with dynamic activations: the SwiGLU in the gate|up GEMV's epilogue,
     # and o_proj / down_proj quantizing their inputs themselves (int8_gemm.DeferredQuant; the same bits)

@@ -323,7 +323,8 @@ FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
 // Deferred-quantization entries: (y fp16 [M,N], x fp16 [M,K], part f32 [M,C] or null, int C, static_amax f32 [1]
 //   (with part null), qweight, w_scale, residual or null, fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_sq
 //   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K);
-//   M <= 8 per grid row, dynamic shared memory min(M, 8) * K bytes.
+//   M <= 8 per grid row; dynamic shared memory: min(M, 8) * K bytes rounded up to 128, then the main loop's ring
+//   (gemm_shapes.gemv_xq_shared).
 #define FLLAMA_INT8_GEMV_XQ(NAME, EPI)                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const __half* x, const float* part, int C, const float* static_amax,              \
