@@ -214,7 +214,7 @@ __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* _
         NAME(float* part_o, float* part_ml, const __half* q, const void* k_cache, const void* v_cache,    \
              const float* k_scale, const float* v_scale, const int* lengths, int H, int Hkv, int L, int CS, \
              int C, float scale_log2) {                                                                    \
-        pdl_enter_attention();                                                                             \
+        pdl_enter_attention(false);                                                                        \
         attn_decode<D, KV8>(part_o, part_ml, q, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L,   \
                             CS, C, scale_log2);                                                            \
     }
@@ -228,7 +228,7 @@ FLLAMA_ATTN_DECODE(attn_decode_d128_kv8, 128, true)
 extern "C" __global__ void __launch_bounds__(128)
     attn_decode_combine(__half* out, const float* part_o, const float* part_ml, const int* lengths, int H,
                         int L, int CS, int C, int D) {
-    pdl_enter_attention();
+    pdl_enter_attention(false);
     const int bh = blockIdx.x, b = bh / H, d = threadIdx.x;
     const int len = min(lengths[b], L);
     const int n = len > 0 ? (len + CS - 1) / CS : 0;
@@ -941,7 +941,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
              void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
              int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
         attn_stamp(0);                                                                                     \
-        pdl_enter_attention();                                                                             \
+        pdl_enter_attention(gridDim.y == Hkv * ((H / Hkv + SLOTS - 1) / SLOTS)); /* one row's units */     \
         fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, amax_part, part_o, part_ml, counters, q, \
                                   qkv,                                                                     \
                                   cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S,      \

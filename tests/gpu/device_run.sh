@@ -17,9 +17,9 @@ for step in "$@"; do
       timeout 150 compute-sanitizer --tool racecheck --print-limit 10 python -m tests.gpu.sanitize_smoke 2>&1 | tail -n 4 ;;
     pdl) timeout 200 python -m pytest -m gpu tests/gpu/test_pdl.py -q -p no:cacheprovider -rf -x 2>&1 | tail -n 30 ;;
     benchpdl)  # decode without programmatic dependent launch, then with each trigger point (common.cuh), no baseline
-      for v in ${PDL_VARIANTS:-none 0 1 2 3}; do echo "== PDL trigger $v"
+      for v in ${PDL_VARIANTS:-none 0 1 2 3 4}; do echo "== PDL trigger $v"
         if [ $v = none ]; then p=--no-pdl; else p=--pdl; fi
-        FLLAMA_NVCC_FLAGS="-DFLLAMA_PDL_TRIGGER=${v/none/3}" timeout 200 python -m fllama_cli.main bench --model llama2-7b \
+        FLLAMA_NVCC_FLAGS="-DFLLAMA_PDL_TRIGGER=${v/none/4}" timeout 200 python -m fllama_cli.main bench --model llama2-7b \
           --random --scheme fp16,int8,awq --batch 1,8,32 --prompt-len 512 --gen-len 128 --repeat 3 --baseline none $p \
           --markdown "$out/pdl_$v.md" > /dev/null 2>&1; grep -E "^\| (fp16|int8|awq)" "$out/pdl_$v.md" | cut -d"|" -f2,3,4,6,7
       done ;;
