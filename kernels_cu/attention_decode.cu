@@ -538,6 +538,11 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     __shared__ float s_l[SLOTS];
 
     if (dynamic_smem_size() < (uint32_t)G::SMEM) __trap();  // the launcher disagrees with this layout
+    // The PDL wait: at once, except in RoPE mode (qkv), which issues its first stage's copies before it (below).
+    // lengths and the cache may be read before it: the kernels that wrote them completed before the q|k|v GEMV
+    // (the kernel before this one) started.
+    const bool one_row = gridDim.y == Hkv * ((H / Hkv + SLOTS - 1) / SLOTS);  // one row's units
+    if (qkv == nullptr) pdl_enter_attention(one_row);
 
     const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
     const int units = gridDim.y, u = blockIdx.y, split = blockIdx.x;
@@ -572,6 +577,23 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         const float* cs_row = cos_sin + (size_t)(rot_ok ? p_new : 0) * D;
         __half* ph = reinterpret_cast<__half*>(smem + NBUF * G::BUF_BYTES) + warp * SLOTS * PH_STRIDE;
 
+        const bool new_kv = qkv != nullptr && split == n_act - 1 && rot_ok && p_new < L;  // block-uniform
+        // p's stage: the only one when nstages == 1, else the last. With one stage the block writes p's row into
+        // it directly (after issuing the copies of the others): the last block, on every cluster's critical
+        // path, then waits for no L2 round trip before its copies. With more, p's row is stored during stage 0
+        // and the copies of the last stage, issued after a loop barrier, read it back.
+        const int skip = new_kv && nstages == 1 ? p_new : -1;
+#pragma unroll
+        for (int s = 0; s < NBUF - 1; ++s) {
+            if (s < nstages)
+                issue_stage<D, KV8>(smem + s * G::BUF_BYTES, k_cache, v_cache, k_scale, v_scale, row0,
+                                    lo + s * STAGE, hi, skip);
+            cp_async_commit();
+        }
+        // RoPE mode: these copies read only cache rows that earlier steps wrote (the new token's row is skipped, or
+        // in a later stage, copied after its store), so they go out before the PDL wait and stream while the q|k|v
+        // GEMV finishes; the query, the new k and v and everything this kernel writes come after the wait.
+        if (qkv != nullptr) pdl_enter_attention(one_row);
         // the query heads as the B operand, in the k order the K fragments come in (raw in RoPE mode, rotated
         // once the stage-0 copies are issued)
         uint32_t qb[MT][2], qp[MT][2];
@@ -594,17 +616,11 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             }
             if (qkv != nullptr) rope_query_load<D, KV8>(qp, cs4, qrow, qok, cs_row, lane);
         }
-        const bool new_kv = qkv != nullptr && split == n_act - 1 && rot_ok && p_new < L;  // block-uniform
         Half8 kv_lo, kv_hi;  // warp 0 of the new token's block: its k and v chunks, loaded with the query
         if (new_kv && warp == 0) {
             const __half* k_src = qkv + ((size_t)b * (H + 2 * Hkv) + H + kvh) * D;  // v: Hkv * D further
             load_new_kv<D>(k_src, k_src + (size_t)Hkv * D, kv_lo, kv_hi);
         }
-        // p's stage: the only one when nstages == 1, else the last. With one stage the block writes p's row into
-        // it directly (after issuing the copies of the others): the last block, on every cluster's critical
-        // path, then waits for no L2 round trip before its copies. With more, p's row is stored during stage 0
-        // and the copies of the last stage, issued after a loop barrier, read it back.
-        const int skip = new_kv && nstages == 1 ? p_new : -1;
         auto store_kv = [&] {  // warp 0
             store_new_kv<D, KV8>(kv_lo, kv_hi, cs_row, k_cache, v_cache, k_scale, v_scale, row0 + p_new,
                                  skip >= 0 ? smem : nullptr, p_new - lo);
@@ -617,13 +633,6 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             for (int r = 0; r < 4; ++r) o[mt][r] = 0.0f;
         float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2t, 2t + 1
 
-#pragma unroll
-        for (int s = 0; s < NBUF - 1; ++s) {
-            if (s < nstages)
-                issue_stage<D, KV8>(smem + s * G::BUF_BYTES, k_cache, v_cache, k_scale, v_scale, row0,
-                                    lo + s * STAGE, hi, skip);
-            cp_async_commit();
-        }
         if (qkv != nullptr) rope_query<D, KV8>(qb, qp, cs4, rot_ok, ph, lane);
         if (new_kv && warp == 0) store_kv();  // before the loop's first barrier, which orders p's stage row
         attn_stamp(2);
@@ -771,6 +780,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             wl[warp * SLOTS + 2 * t + 1] = l1;
         }
         __syncthreads();
+    } else if (qkv != nullptr) {
+        pdl_enter_attention(one_row);  // an empty row streams nothing, but the writes below wait
     }
 
     // the block's result per (head slot, dim): final when the unit has one block, else a partial
@@ -941,7 +952,6 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
              void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
              int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
         attn_stamp(0);                                                                                     \
-        pdl_enter_attention(gridDim.y == Hkv * ((H / Hkv + SLOTS - 1) / SLOTS)); /* one row's units */     \
         fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, amax_part, part_o, part_ml, counters, q, \
                                   qkv,                                                                     \
                                   cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S,      \
