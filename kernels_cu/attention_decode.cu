@@ -29,6 +29,7 @@ namespace {
 
 constexpr int WARPS = 4;
 constexpr int SLOTS = 8;  // query heads per block: the mma N dimension
+constexpr int NOT_EARLY = 1 << 30;  // the two-kernel path's rows for pdl_enter_attention: it keeps trigger 3's points
 constexpr int CS_MAX = 512;
 constexpr int SC_STRIDE = CS_MAX + 4;  // floats; +4 spreads the 8 heads a warp writes over all banks
 constexpr int P_STRIDE = CS_MAX + 8;   // halves; rows stay 16-byte aligned
@@ -214,7 +215,7 @@ __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* _
         NAME(float* part_o, float* part_ml, const __half* q, const void* k_cache, const void* v_cache,    \
              const float* k_scale, const float* v_scale, const int* lengths, int H, int Hkv, int L, int CS, \
              int C, float scale_log2) {                                                                    \
-        pdl_enter_attention(false);                                                                        \
+        pdl_enter_attention(NOT_EARLY);                                                                    \
         attn_decode<D, KV8>(part_o, part_ml, q, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L,   \
                             CS, C, scale_log2);                                                            \
     }
@@ -228,7 +229,7 @@ FLLAMA_ATTN_DECODE(attn_decode_d128_kv8, 128, true)
 extern "C" __global__ void __launch_bounds__(128)
     attn_decode_combine(__half* out, const float* part_o, const float* part_ml, const int* lengths, int H,
                         int L, int CS, int C, int D) {
-    pdl_enter_attention(false);
+    pdl_enter_attention(NOT_EARLY);
     const int bh = blockIdx.x, b = bh / H, d = threadIdx.x;
     const int len = min(lengths[b], L);
     const int n = len > 0 ? (len + CS - 1) / CS : 0;
@@ -541,8 +542,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     // The PDL wait: at once, except in RoPE mode (qkv), which issues its first stage's copies before it (below).
     // lengths and the cache may be read before it: the kernels that wrote them completed before the q|k|v GEMV
     // (the kernel before this one) started.
-    const bool one_row = gridDim.y == Hkv * ((H / Hkv + SLOTS - 1) / SLOTS);  // one row's units
-    if (qkv == nullptr) pdl_enter_attention(one_row);
+    const int rows = gridDim.y / (Hkv * ((H / Hkv + SLOTS - 1) / SLOTS));  // the batch's rows (units / row's)
+    if (qkv == nullptr) pdl_enter_attention(rows);
 
     const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
     const int units = gridDim.y, u = blockIdx.y, split = blockIdx.x;
@@ -593,7 +594,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         // RoPE mode: these copies read only cache rows that earlier steps wrote (the new token's row is skipped, or
         // in a later stage, copied after its store), so they go out before the PDL wait and stream while the q|k|v
         // GEMV finishes; the query, the new k and v and everything this kernel writes come after the wait.
-        if (qkv != nullptr) pdl_enter_attention(one_row);
+        if (qkv != nullptr) pdl_enter_attention(rows);
         // the query heads as the B operand, in the k order the K fragments come in (raw in RoPE mode, rotated
         // once the stage-0 copies are issued)
         uint32_t qb[MT][2], qp[MT][2];
@@ -781,7 +782,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         }
         __syncthreads();
     } else if (qkv != nullptr) {
-        pdl_enter_attention(one_row);  // an empty row streams nothing, but the writes below wait
+        pdl_enter_attention(rows);  // an empty row streams nothing, but the writes below wait
     }
 
     // the block's result per (head slot, dim): final when the unit has one block, else a partial

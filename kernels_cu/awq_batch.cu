@@ -175,7 +175,7 @@ __device__ __forceinline__ void awq_batch(__half* __restrict__ y, const __half* 
     };
 
     pdl_wait();
-    pdl_gemv_started(M == 1);  // the engine runs it from 17 tokens
+    pdl_gemv_started(M);
     // Ring of STAGES tiles: tile i in slot i % STAGES, STAGES - 1 tiles in flight ahead of the math. Every
     // iteration commits one group (empty past the end) so that wait_group counts tiles.
 #pragma unroll

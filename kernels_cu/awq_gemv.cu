@@ -201,7 +201,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     if (full_steps > 0) load_w(false, 0, wq, tq, sa);
     else load_w(true, 0, wq, tq, sa);
     pdl_wait();
-    pdl_gemv_started(M == 1);
+    pdl_gemv_started(M);
     if (fold_in != nullptr) fold_prefetch<W>(fold_in, m0, rows, K / 16);  // L1 by the tail
     int s = 0;
     for (; s + 1 < full_steps; s += 2) {

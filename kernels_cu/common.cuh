@@ -157,14 +157,19 @@ __device__ __forceinline__ void pdl_wait() {
 
 // When a kernel lets the next one start: 0 never explicitly (at block exit), 1 right after its wait, 2 as 1
 // but the GEMVs only after their main loop, 3 as 2 but decode attention at block exit, 4 (the default) as 3
-// except in a one-row step (batch-1 decode), where the GEMVs and attention trigger right after their wait as
-// in 1. Bench processes alternated (H200, nineteenth session, docs/gpu.md step 19), decode tok/s 3 -> 1: batch 1
-// fp16 +2.2%, int8 +2.3%, awq +3.2%; batch 8 int8 -2.2%, awq -2.8%; batch 32 awq -5.4%; hence 4. Our reading
-// (not profiled): a dependent launched early places its blocks on whichever SMs have room, and a GEMV crowded
-// onto the SMs a long kernel leaves free streams through too few of them; at one row the kernels are short
-// and their dependents' weight prefetch (issued before their wait) fills the tail instead.
+// except in a decode step of up to FLLAMA_PDL_EARLY_ROWS rows, where the GEMVs and attention trigger right after
+// their wait as in 1. Bench processes alternated (H200, nineteenth session, docs/gpu.md step 19), decode tok/s:
+// 3 -> 1 at batch 1 fp16 +2.2%, int8 +2.3%, awq +3.2%, but at batch 8 int8 -2.2%, awq -2.8% and at batch 32
+// awq -5.4%; then (4) early rows 1 -> 4 at batches 2 and 4 +1.4 to +4.2%, 4 -> 8 at batch 8 fp16 +2.2%, int8
+// -0.7%, awq 0. Our reading (not profiled): a dependent launched early places its blocks on whichever SMs have
+// room, and a GEMV crowded onto the SMs a long kernel leaves free streams through too few of them; at a few rows
+// the kernels are short, and their dependents' prefetch (weights, attention's K/V, issued before their wait)
+// fills the tail instead.
 #ifndef FLLAMA_PDL_TRIGGER
 #define FLLAMA_PDL_TRIGGER 4
+#endif
+#ifndef FLLAMA_PDL_EARLY_ROWS
+#define FLLAMA_PDL_EARLY_ROWS 4
 #endif
 
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -173,19 +178,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// The GEMVs' two trigger points (after the wait / after the main loop); one_row: the GEMV's M is 1.
-__device__ __forceinline__ void pdl_gemv_started(bool one_row) {
-    if (FLLAMA_PDL_TRIGGER == 1 || (FLLAMA_PDL_TRIGGER == 4 && one_row)) pdl_launch_dependents();
+// The GEMVs' two trigger points (after the wait / after the main loop); rows: the GEMV's M.
+__device__ __forceinline__ void pdl_gemv_started(int rows) {
+    if (FLLAMA_PDL_TRIGGER == 1 || (FLLAMA_PDL_TRIGGER == 4 && rows <= FLLAMA_PDL_EARLY_ROWS)) pdl_launch_dependents();
 }
 __device__ __forceinline__ void pdl_gemv_streamed() {
     if (FLLAMA_PDL_TRIGGER >= 2) pdl_launch_dependents();
 }
 
-// Decode attention: its wait, and its trigger unless the dependents wait for its blocks to exit (3; 4 at more
-// than one row). one_row: the batch has one row.
-__device__ __forceinline__ void pdl_enter_attention(bool one_row) {
+// Decode attention: its wait, and its trigger unless the dependents wait for its blocks to exit (3; 4 beyond
+// FLLAMA_PDL_EARLY_ROWS rows). rows: the batch's rows.
+__device__ __forceinline__ void pdl_enter_attention(int rows) {
     pdl_wait();
-    if (FLLAMA_PDL_TRIGGER < 3 || (FLLAMA_PDL_TRIGGER == 4 && one_row)) pdl_launch_dependents();
+    if (FLLAMA_PDL_TRIGGER < 3 || (FLLAMA_PDL_TRIGGER == 4 && rows <= FLLAMA_PDL_EARLY_ROWS)) pdl_launch_dependents();
 }
 
 __device__ __forceinline__ void pdl_enter() {

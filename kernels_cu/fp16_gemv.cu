@@ -64,7 +64,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
     if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[n0 + g], fold_w[n0 + g + 8]);
 
-    gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 8 * t, warp, M == 1, acc,
+    gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 8 * t, warp, M, acc,
                                          [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                             uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); },
                                          FoldHook{fold_in, m0, rows, K});

@@ -198,11 +198,11 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     };
     if constexpr (XQ) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
-            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M == 1, acc, mma,
+            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
             XqHook{xs, s_inv, s_scale, s_red, x16, part_in, static_amax, C, m0, rows, K}, SharedX{});
     } else {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp,
-                                             M == 1, acc, mma);
+                                             M, acc, mma);
     }
 
 #pragma unroll
