@@ -288,7 +288,9 @@ extern "C" __global__ void __launch_bounds__(128)
 //   of every block) and exit.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
 //   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
-//   token sits at p = lengths[b] - 1 (cache row b). Every block rotates the query heads it needs itself,
+//   token sits at p = lengths[b] - 1 (cache row b). Stage 0's copies go out before the PDL wait (they read
+//   rows that earlier steps wrote, never p's: see below), so in steps whose kernels trigger early (common.cuh,
+//   trigger 4) they stream under the q|k|v GEMV's tail. Every block rotates the query heads it needs itself,
 //   once its stage-0 copies are issued (the loads' latency then overlaps the stream). The unit's last
 //   active block (its range ends at the row's length, so its last stage holds p) rotates k, quantizes k
 //   and v for an int8 cache, and stores them at p. When p's stage is stage 0 (the only one: short contexts,
@@ -540,8 +542,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 
     if (dynamic_smem_size() < (uint32_t)G::SMEM) __trap();  // the launcher disagrees with this layout
     // The PDL wait: at once, except in RoPE mode (qkv), which issues its first stage's copies before it (below).
-    // lengths and the cache may be read before it: the kernels that wrote them completed before the q|k|v GEMV
-    // (the kernel before this one) started.
+    // lengths and the cache may be read before it: the kernels that wrote them had completed when the kernel
+    // before this one (the q|k|v GEMV) passed its own wait, and it lets this one start only after that.
     const int rows = gridDim.y / (Hkv * ((H / Hkv + SLOTS - 1) / SLOTS));  // the batch's rows (units / row's)
     if (qkv == nullptr) pdl_enter_attention(rows);
 

@@ -283,7 +283,7 @@ template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, t
           typename AfterWait = NoHook, typename XLoad = GlobalX>
 __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int hi_row, int n_rows, uint8_t* ring,
                                               const T* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
-                                              int lane_k, int warp, int rows, Acc (&acc)[MT][4], Mma mma,
+                                              int lane_k, int warp, int M, Acc (&acc)[MT][4], Mma mma,
                                               AfterWait after_wait = {}, XLoad x_load = {}) {
     static_assert(TILE_K * sizeof(T) == 64 && UNROLL % 2 == 0, "a pair of tiles is one 128-byte line");
     constexpr int ROW_BYTES = UNROLL * 64, STAGE_BYTES = GEMV_ROWS_PER_BLOCK * ROW_BYTES;
@@ -337,7 +337,7 @@ __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int h
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; ++s) issue(warp * UNROLL + s * STRIDE, s);
     pdl_wait();
-    pdl_gemv_started(rows);
+    pdl_gemv_started(M);  // M: the GEMV's token rows (few: its dependents start now)
     after_wait();
     load_x(warp * UNROLL, xv);
     int stage = 0;
