@@ -541,14 +541,13 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     __shared__ float s_l[SLOTS];
 
     if (dynamic_smem_size() < (uint32_t)G::SMEM) __trap();  // the launcher disagrees with this layout
+    const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
+    const int units = gridDim.y, u = blockIdx.y, split = blockIdx.x;
+    const int rows = units / (HG * Hkv);  // the batch's rows, for the PDL trigger
     // The PDL wait: at once, except in RoPE mode (qkv), which issues its first stage's copies before it (below).
     // lengths and the cache may be read before it: the kernels that wrote them had completed when the kernel
     // before this one (the q|k|v GEMV) passed its own wait, and it lets this one start only after that.
-    const int rows = gridDim.y / (Hkv * ((H / Hkv + SLOTS - 1) / SLOTS));  // the batch's rows (units / row's)
     if (qkv == nullptr) pdl_enter_attention(rows);
-
-    const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
-    const int units = gridDim.y, u = blockIdx.y, split = blockIdx.x;
     const int hg = u % HG, kvh = (u / HG) % Hkv, b = u / (HG * Hkv);
     const int len_b = lengths[b];
     const int len = min(max(len_b, 0), L);

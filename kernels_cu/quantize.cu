@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
     if (c < K / 8) v = load_half8(x + row * K + 8 * c);  // in flight while the partials are read
     float amax = 0.0f, sum = 0.0f;
     const float* pm = mx + row * C;
-    const float* ps = sq + row * C;
+    const float* ps = sq != nullptr ? sq + row * C : nullptr;  // read only with sq
 #pragma unroll 4
     for (int i = threadIdx.x; i < C; i += PARTS_THREADS) {
         if (static_amax == nullptr) amax = fmaxf(amax, pm[i]);
