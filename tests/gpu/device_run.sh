@@ -63,6 +63,9 @@ for step in "$@"; do
         --prompt-len 512 --gen-len 64 --repeat 2 --baseline none --markdown "$out/bench70b.md" 2>&1 | tail -n 12 ;;
     profile) for sch in ${PROFILE_SCHEMES:-fp16 int8 awq}; do timeout 120 python -m kernels_cu.profile_engine --scheme $sch --tokens ${PROFILE_TOKENS:-2048} --rows 14 2>&1 \
         | grep -E "^==|Name|cuda|Kernel|kernel|gemm|gemv|attn|Memcpy|elementwise|sm90|Self CUDA time total" | cut -c1-60,100-200 | head -n 40; done ;;
+    timeline) for sch in ${PROFILE_SCHEMES:-fp16 int8 awq}; do  # each decode kernel's critical-path increment (timeline.py)
+        timeout 120 python -m kernels_cu.profile_engine --scheme $sch --tokens ${PROFILE_TOKENS:-512} --batch ${PROFILE_BATCH:-1} \
+        --timeline 2>&1 | grep -v -i warn | head -n 40; done ;;
     ncu)  # Nsight Compute counters of each decode GEMV (kernels_cu/gemv_probe.py), real clocks, L2 flushed per launch
       timeout 400 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
