@@ -12,13 +12,13 @@ import tempfile
 import torch
 
 from kernels_cu.bench import random_weights
-from kernels_cu.engine import Engine, EngineConfig
+from kernels_cu.engine import Engine, EngineConfig, GpuCache
 from kernels_cu.timeline import Timeline, critical_path, format_timeline, kernels_from_trace
 from model_zoo.config import LlamaConfig
 from model_zoo.sampling import SamplingConfig
 
 
-def decode_timeline(engine: Engine, cache, steps: int) -> Timeline:
+def decode_timeline(engine: Engine, cache: GpuCache, steps: int) -> Timeline:
     """The critical path of `steps` replays of the cache's captured decode step (CUPTI through torch.profiler)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -91,6 +91,7 @@ def kernels_from_trace(path: str) -> list[Kernel]:
 
 
 def format_timeline(t: Timeline, sequence_rows: int = 16) -> str:
+    """The costs as a text table, most costly first, then the first `sequence_rows` kernels of one step in order."""
     lines = [f"step {t.step_us:.1f} us (median of {t.steps} whole steps); per kernel: launches per step, "
              f"critical-path increment, duration, overlap with the previous kernel (us)",
              f"{'kernel':60s} {'/step':>6s} {'incr':>8s} {'dur':>8s} {'overlap':>8s} {'us/step':>9s}"]
