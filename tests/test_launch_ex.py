@@ -60,7 +60,7 @@ def _entries(text: str):
         yield text[m.start():open_], text[open_:i + 1]
 
 
-_WAITS = re.compile(r"pdl_(enter\w*|wait)\([^;]*\);")  # pdl_enter_attention takes one_row
+_WAITS = re.compile(r"pdl_(enter\w*|wait)\([^;]*\);")  # pdl_gemv_started and pdl_enter_attention take rows
 
 
 def _waits(body: str, text: str, depth: int = 2) -> bool:
