@@ -557,6 +557,10 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     attn_stamp(1);
     if (split >= n_act) {  // whole block, before any barrier (CL: after the cluster's two)
         if (CL) {
+            // RoPE mode: this block has not passed its wait and trigger yet (below). It now idles in the cluster's
+            // barriers until the cluster's end, and the dependents launch only once every block has triggered or
+            // exited: without this the next kernel (o_proj) could not start before attention ended.
+            if (qkv != nullptr) pdl_enter_attention(rows);
             cluster_sync();
             cluster_sync();
         }
