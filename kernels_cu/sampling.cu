@@ -131,16 +131,54 @@ struct Row {
     float penalty, inv_temp_div;  // inv_temp_div: the temperature (divided by, IEEE)
     bool scaled;
 
-    __device__ __forceinline__ float penalised(int v) const {
-        float l = static_cast<float>(logits[v]);
+    // logit l of token v (as loaded) -> the value the sampler ranks: the penalty, then the temperature
+    __device__ __forceinline__ float value_of(int v, float l) const {
         if (penalty != 1.0f && seen[v]) l = l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty);
-        return l;
-    }
-    __device__ __forceinline__ float value(int v) const {
-        const float l = penalised(v);
         return scaled ? __fdiv_rn(l, inv_temp_div) : l;
     }
+    __device__ __forceinline__ float value(int v) const { return value_of(v, static_cast<float>(logits[v])); }
 };
+
+// f(v, value) for every token v of the row this thread owns, in increasing v (so "first seen" is "lowest
+// index" within a thread): chunks of 8 consecutive tokens, chunk c to thread c % blockDim, U chunks' loads
+// issued together. A loop of one dependent 2-byte load per token (32 per thread at V = 32000) made the greedy
+// step's sampling a chain of L2 round trips: 15 us a step on an H200, ~1% of an awq batch-1 step.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
+    constexpr int PER_VEC = 16 / sizeof(T);  // tokens per 16-byte load
+    constexpr int VECS = 8 / PER_VEC;         // 16-byte loads per chunk
+    constexpr int U = 2;  // chunks in flight per thread (8 or 16 registers of raw logits)
+    const int chunks = (V + 7) / 8;
+    // the 16-byte loads need every row start aligned: V % 8 == 0 (else one load per token, still U chunks at once)
+    const bool vec = V % 8 == 0;
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += U * blockDim.x) {
+        uint4 raw[U][VECS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * blockDim.x;
+            if (c >= chunks) continue;
+            if (vec) {
+#pragma unroll
+                for (int i = 0; i < VECS; ++i) raw[u][i] = __ldcg(reinterpret_cast<const uint4*>(row.logits + 8 * c) + i);
+            } else {
+                T* t = reinterpret_cast<T*>(raw[u]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) t[e] = 8 * c + e < V ? row.logits[8 * c + e] : T(0.0f);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + u * blockDim.x;
+            if (c >= chunks) continue;
+            const T* t = reinterpret_cast<const T*>(raw[u]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int v = 8 * c + e;
+                if (v < V) f(v, row.value_of(v, static_cast<float>(t[e])));
+            }
+        }
+    }
+}
 
 struct Shared {
     float fv[32];
@@ -206,10 +244,9 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     // max (and argmax, the greedy answer and the fallback of the draws)
     row.scaled = !(temperature <= 0.0f || top_k == 1);
     ArgMax best{-INFINITY, 0x7fffffff};
-    for (int v = tid; v < V; v += blockDim.x) {
-        const float x = row.value(v);
+    for_each_value(row, V, [&](int v, float x) {
         if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
-    }
+    });
     best = block_argmax(best, sh.fv, sh.fi);
     const int argmax = best.i < V ? best.i : 0;
     const float m = best.v;
@@ -258,10 +295,10 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             for (int shift = 24; shift >= 0; shift -= 8) {
                 for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
                 __syncthreads();
-                for (int v = tid; v < V; v += blockDim.x) {
-                    const uint32_t key = float_key(row.value(v));
+                for_each_value(row, V, [&](int, float x) {
+                    const uint32_t key = float_key(x);
                     if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1);
-                }
+                });
                 __syncthreads();
                 if (tid < 32) choose_digit(sh);
                 __syncthreads();
@@ -276,8 +313,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         if (tid == 0) sh.n_cand = 0;
         __syncthreads();
         float z_part = 0.0f;
-        for (int v = tid; v < V; v += blockDim.x) {
-            const float x = row.value(v);
+        for_each_value(row, V, [&](int v, float x) {
             z_part += expf(x - m);
             const uint32_t key = float_key(x);
             if (key >= threshold && !isnan(x)) {
@@ -285,7 +321,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
                 if (slot < CAND_CAP)
                     sh.cand[slot] = ((unsigned long long)key << 32) | (0xffffffffu - (uint32_t)v);
             }
-        }
+        });
         const float z_full = block_sum(z_part, sh.fv);
         const int n = min(sh.n_cand, CAND_CAP);
         int n2 = 1;

@@ -40,7 +40,7 @@ def chi_square_ok(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[bool, str]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("B,V", [(1, 32000), (7, 49152), (64, 1000), (33, 128256)])
+@pytest.mark.parametrize("B,V", [(1, 32000), (7, 49152), (64, 1000), (33, 128256), (3, 1001)])
 def test_greedy_is_argmax(B, V, dtype):
     logits = randn(B, V, scale=4.0, seed=V + B, dtype=dtype)
     s = GpuSampler(B, V, EOS, config=SamplingConfig(temperature=0.0))
@@ -85,6 +85,7 @@ def test_repetition_penalty_changes_the_argmax():
     (5000, SamplingConfig(temperature=1.0, top_k=20, top_p=1.0)),
     (5000, SamplingConfig(temperature=1.0, top_k=0, top_p=0.8)),
     (5000, SamplingConfig(temperature=0.9, top_k=50, top_p=0.7)),
+    (1001, SamplingConfig(temperature=0.9, top_k=50, top_p=0.7)),  # V % 8 != 0: one load per token
 ])
 def test_distribution_matches_model_zoo(V, cfg):
     B, calls = 64, 150
