@@ -5,9 +5,16 @@
 // embedding_fold_i32 / _i64(out, xg fp16 [T,H], part f32 [T,H/16], table, ids, w fp16 [H], int V, int H)
 // also write the first layer's deferred RMSNorm (norm_fold.cuh): xg = fp16(out * w) and the sums of out^2
 // per 16 channels (H % 16 == 0), for a decode step whose RMSNorms are folded into the GEMVs.
+// Every entry also takes (lengths, lens) int32 [T], both null or neither: a decode step's first kernel writes
+// lens = lengths + 1, the attention lengths of the step (a separate elementwise kernel cost the step ~2 us, as
+// it has no programmatic launch).
 #include "common.cuh"
 
 using namespace fllama;
+
+__device__ __forceinline__ void step_lengths(const int* __restrict__ lengths, int* __restrict__ lens) {
+    if (lens != nullptr && threadIdx.x == 0) lens[blockIdx.x] = lengths[blockIdx.x] + 1;
+}
 
 template <typename Id>
 __device__ __forceinline__ void embedding_row(__half* __restrict__ out, const __half* __restrict__ table,
@@ -56,23 +63,31 @@ __device__ __forceinline__ void embedding_fold_row(__half* __restrict__ out, __h
 }
 
 extern "C" __global__ void embedding_fold_i32(__half* out, __half* xg, float* part, const __half* table,
-                                              const int32_t* ids, const __half* w, int V, int H) {
+                                              const int32_t* ids, const __half* w, int V, int H, const int* lengths,
+                                              int* lens) {
     pdl_enter();
+    step_lengths(lengths, lens);
     embedding_fold_row<int32_t>(out, xg, part, table, ids, w, V, H);
 }
 
 extern "C" __global__ void embedding_fold_i64(__half* out, __half* xg, float* part, const __half* table,
-                                              const int64_t* ids, const __half* w, int V, int H) {
+                                              const int64_t* ids, const __half* w, int V, int H, const int* lengths,
+                                              int* lens) {
     pdl_enter();
+    step_lengths(lengths, lens);
     embedding_fold_row<int64_t>(out, xg, part, table, ids, w, V, H);
 }
 
-extern "C" __global__ void embedding_i32(__half* out, const __half* table, const int32_t* ids, int V, int H) {
+extern "C" __global__ void embedding_i32(__half* out, const __half* table, const int32_t* ids, int V, int H,
+                                         const int* lengths, int* lens) {
     pdl_enter();
+    step_lengths(lengths, lens);
     embedding_row<int32_t>(out, table, ids, V, H);
 }
 
-extern "C" __global__ void embedding_i64(__half* out, const __half* table, const int64_t* ids, int V, int H) {
+extern "C" __global__ void embedding_i64(__half* out, const __half* table, const int64_t* ids, int V, int H,
+                                         const int* lengths, int* lens) {
     pdl_enter();
+    step_lengths(lengths, lens);
     embedding_row<int64_t>(out, table, ids, V, H);
 }

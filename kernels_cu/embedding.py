@@ -10,8 +10,8 @@ from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.norm_fold import FoldOut, check_out
 
-SIGNATURE = "PPPii"  # out, table, ids, V, H
-FOLD_SIGNATURE = "PPPPPPii"  # out, xg, part, table, ids, w, V, H
+SIGNATURE = "PPPiiPP"  # out, table, ids, V, H, lengths, lens
+FOLD_SIGNATURE = "PPPPPPiiPP"  # out, xg, part, table, ids, w, V, H, lengths, lens
 THREADS = 128
 
 
@@ -22,27 +22,41 @@ def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.where(valid[:, None], rows, torch.zeros_like(rows))
 
 
-def embedding(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """table fp16 [V, H], ids int32/int64 [T] on the GPU -> fp16 [T, H]."""
+def embedding(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None,
+              step_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """table fp16 [V, H], ids int32/int64 [T] on the GPU -> fp16 [T, H]. step_lens (lengths, lens), int32 [T]
+    each: also lens = lengths + 1 (a decode step's attention lengths, without a kernel of their own)."""
     V, H, T = _check(table, ids)
     out = out_or_new(out, (T, H), torch.float16, table, "out")
+    lengths, lens = _step_lens(step_lens, T)
     if T:
         build.get_function("embedding.cu", f"embedding_{_id_type(ids)}", SIGNATURE)(
-            (T,), (_threads(H),), out, table, ids, V, H)
+            (T,), (_threads(H),), out, table, ids, V, H, lengths, lens)
     return out
 
 
-def embedding_fold(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, FoldOut]:
-    """The lookup, plus the deferred RMSNorm of its rows with weight w [H]: (h fp16 [T, H], FoldOut)."""
+def embedding_fold(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                   step_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, FoldOut]:
+    """The lookup, plus the deferred RMSNorm of its rows with weight w [H]: (h fp16 [T, H], FoldOut);
+    step_lens as in `embedding`."""
     V, H, T = _check(table, ids)
     out = out_or_new(out, (T, H), torch.float16, table, "out")
     fold = FoldOut.new(w, T)
     check_out(fold, T, H)
+    lengths, lens = _step_lens(step_lens, T)
     if T:
         build.get_function("embedding.cu", f"embedding_fold_{_id_type(ids)}", FOLD_SIGNATURE)(
-            (T,), (_threads(H),), out, fold.xg, fold.part, table, ids, w, V, H)
+            (T,), (_threads(H),), out, fold.xg, fold.part, table, ids, w, V, H, lengths, lens)
     return out, fold
+
+
+def _step_lens(step_lens: tuple[torch.Tensor, torch.Tensor] | None, T: int) -> tuple:
+    if step_lens is None:
+        return None, None
+    lengths, lens = step_lens
+    check_tensor(lengths, "lengths", torch.int32, (T,), align=4)
+    check_tensor(lens, "lens", torch.int32, (T,), align=4)
+    return lengths, lens
 
 
 def _check(table: torch.Tensor, ids: torch.Tensor) -> tuple[int, int, int]:

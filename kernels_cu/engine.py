@@ -33,7 +33,7 @@ from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.quantize import quantize, quantize_fold
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
 from kernels_cu.rope_kv import rope_kv, rope_table
-from kernels_cu.sampling import GpuSampler
+from kernels_cu.sampling import GpuSampler, StepState
 from kernels_cu.silu_mul import silu_mul, silu_mul_quant
 from kernels_cu.swiglu_layout import interleave_gate_up
 from model_zoo.config import LlamaConfig
@@ -534,26 +534,33 @@ class Engine:
         return self._decode(tokens, cache, rows, sampler)
 
     def _step_body(self, cache: GpuCache, sampler: GpuSampler | None) -> torch.Tensor:
-        logits = self._decode_body(cache)  # [Bb, V] fp16
+        st = cache.static
+        logits = self._decode_body(cache, advance=sampler is None)  # [Bb, V] fp16
         if sampler is None:
             return logits
-        out = sampler.sample(logits)  # [Bb] int32, sampler.out
-        cache.static["tokens"].copy_(out)  # feeds the next replay (benchmarks replay without the host)
-        return out
+        # the sampler also feeds the next replay its input ids (benchmarks replay without the host) and advances
+        # the rows that decoded
+        return sampler.sample(logits, StepState(st["tokens"], cache.lengths, st["active"]))  # [Bb] int32, sampler.out
 
-    def _decode_body(self, cache: GpuCache) -> torch.Tensor:
+    def _decode_body(self, cache: GpuCache, advance: bool) -> torch.Tensor:
+        """The step's logits; `advance`: the lengths of the rows that decoded grow by one here (else the sampler
+        does it)."""
         st = cache.static
         pos = cache.lengths  # the new token's position, per row
-        lens = cache.lengths + 1  # [Bb] attention covers the new token
+        # [Bb] attention covers the new token: lengths + 1, written by the embedding kernel
+        if "lens" not in st:
+            st["lens"] = torch.empty_like(cache.lengths)
+        lens = st["lens"]
+        step_lens = (cache.lengths, lens)
         c = self.config
         fold = None
         defer = self._defers_quant(cache.bucket)
         defer_o, defer_down = defer and DEFER_ATTENTION, defer and DEFER_SWIGLU
         int8_fold = self._folds_int8(cache.bucket)
         if self._folds(cache.bucket):  # RMSNorms deferred into the GEMVs (norm_fold.py)
-            h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm)  # [Bb, H]
+            h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm, step_lens=step_lens)  # [Bb, H]
         else:
-            h = embedding(self.embed, st["tokens"])  # [Bb, H]
+            h = embedding(self.embed, st["tokens"], step_lens=step_lens)  # [Bb, H]
 
         def attend(i: int, qkv: torch.Tensor):
             o_op = self.layers[i].o
@@ -572,7 +579,8 @@ class Engine:
         for i in range(c.n_layers):
             h, fold = self._layer(i, h, cache, attend, fold, defer_down, int8_fold)
         logits = self._logits(h, fold)  # [Bb, V] fp16
-        cache.lengths.add_(st["active"])  # only rows that decoded this step advance
+        if advance:
+            cache.lengths.add_(st["active"])  # only rows that decoded this step advance
         return logits
 
     def _capture(self, cache: GpuCache, sampler: GpuSampler | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -6,6 +6,9 @@
 //   finished int32 [B]   a finished row outputs eos_ids[0]; a row finishes when it samples any eos id
 //   rng     int64 [1+B]  rng[0] = seed, rng[1+b] = row b's draw counter, incremented by the kernel
 //   out     int32 [B]    the sampled token
+//   next_ids, lengths, active  int32 [B] or all null: a captured decode step's bookkeeping, done by thread 0
+//           of each row (torch kernels there cost the step ~4 us, having no programmatic launch):
+//           next_ids = out (the next step's input ids), lengths += active (rows that decoded advance)
 //
 // The order is model_zoo.sampling's: repetition penalty (HF: l > 0 ? l / p : l * p on seen tokens),
 // greedy (argmax, lowest index on ties) when temperature == 0 or top_k == 1, else divide by temperature,
@@ -224,14 +227,31 @@ __device__ void choose_digit(Shared& sh) {
     }
 }
 
+// The decode step's bookkeeping for row b (thread 0), once its token is known.
+struct StepOut {
+    int* next_ids;
+    int* lengths;
+    const int* active;
+
+    __device__ __forceinline__ void write(int b, int token) const {
+        if (next_ids == nullptr) return;
+        next_ids[b] = token;
+        lengths[b] += active[b];
+    }
+};
+
 template <typename T>
 __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, int* __restrict__ finished,
                            long long* __restrict__ rng, const T* __restrict__ logits,
-                           const float* __restrict__ params, const int* __restrict__ eos_ids, int n_eos, int V) {
+                           const float* __restrict__ params, const int* __restrict__ eos_ids, int n_eos, int V,
+                           StepOut step) {
     __shared__ Shared sh;
     const int b = blockIdx.x, tid = threadIdx.x;
     if (finished[b]) {
-        if (tid == 0) out[b] = eos_ids[0];
+        if (tid == 0) {
+            out[b] = eos_ids[0];
+            step.write(b, eos_ids[0]);
+        }
         return;
     }
     const float temperature = params[4 * b], top_p = params[4 * b + 2], penalty = params[4 * b + 3];
@@ -404,19 +424,20 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         for (int i = 0; i < n_eos; ++i)
             if (eos_ids[i] == token) finished[b] = 1;
         rng[1 + b] = (long long)(counter + 1);
+        step.write(b, token);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f16(int* out, uint8_t* seen, int* finished, long long* rng, const __half* logits, const float* params,
-               const int* eos_ids, int n_eos, int V) {
+               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active) {
     pdl_enter();
-    sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V);
+    sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active});
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(int* out, uint8_t* seen, int* finished, long long* rng, const float* logits, const float* params,
-               const int* eos_ids, int n_eos, int V) {
+               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active) {
     pdl_enter();
-    sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V);
+    sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active});
 }

@@ -14,6 +14,7 @@ torch, up to 2048 candidates.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,7 +24,7 @@ from kernels_cu.checks import check_tensor
 from model_zoo.errors import ConfigError
 from model_zoo.sampling import SamplingConfig, apply_repetition_penalty, filter_top_k_top_p
 
-SIGNATURE = "PPPPPPPii"  # out, seen, finished, rng, logits, params, eos_ids, n_eos, V
+SIGNATURE = "PPPPPPPiiPPP"  # out, seen, finished, rng, logits, params, eos_ids, n_eos, V, next_ids, lengths, active
 THREADS = 1024
 MAX_TOP_K = 1024
 
@@ -42,9 +43,20 @@ def params_tensor(cfgs: SamplingConfig | Sequence[SamplingConfig], batch: int) -
     return torch.tensor([params_row(c) for c in rows], dtype=torch.float32)  # [B, 4]
 
 
+@dataclass(frozen=True)
+class StepState:
+    """A captured decode step's state that the sampler advances, int32 [B] each: next_ids = the sampled tokens
+    (the next step's input), lengths += active (the rows that decoded this step)."""
+    next_ids: torch.Tensor
+    lengths: torch.Tensor
+    active: torch.Tensor
+
+
 def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
-           rng: torch.Tensor, eos_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits fp16/fp32 [B, V] -> tokens int32 [B]; updates seen, finished and the rng counters in place."""
+           rng: torch.Tensor, eos_ids: torch.Tensor, out: torch.Tensor | None = None,
+           step: StepState | None = None) -> torch.Tensor:
+    """logits fp16/fp32 [B, V] -> tokens int32 [B]; updates seen, finished and the rng counters in place, and
+    `step` when given."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
     B, V = logits.shape
@@ -59,10 +71,15 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finis
     if out is None:
         out = torch.empty(B, dtype=torch.int32, device=logits.device)
     check_tensor(out, "out", torch.int32, (B,), align=4)
+    step_args = (None, None, None)
+    if step is not None:
+        for name in ("next_ids", "lengths", "active"):
+            check_tensor(getattr(step, name), name, torch.int32, (B,), align=4)
+        step_args = (step.next_ids, step.lengths, step.active)
     if B:
         name = "sample_f16" if logits.dtype == torch.float16 else "sample_f32"
         fn = build.get_function("sampling.cu", name, SIGNATURE)
-        fn((B,), (THREADS,), out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V)
+        fn((B,), (THREADS,), out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V, *step_args)
     return out
 
 
@@ -112,6 +129,6 @@ class GpuSampler:
         if tokens:
             self.seen[row, torch.tensor(list(tokens), device=self.seen.device)] = 1
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, step: StepState | None = None) -> torch.Tensor:
         """logits [B, V] -> self.out int32 [B] (the same tensor each call, so a graph can read it)."""
-        return sample(logits, self.params, self.seen, self.finished, self.rng, self.eos_ids, self.out)
+        return sample(logits, self.params, self.seen, self.finished, self.rng, self.eos_ids, self.out, step)

@@ -8,7 +8,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, poison, ran
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu.embedding import embedding, embedding_ref  # noqa: E402
+from kernels_cu.embedding import embedding, embedding_fold, embedding_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -34,3 +34,18 @@ def test_out_of_range_ids_give_zero_rows():
     out = embedding(table, ids)
     assert_equal(out, embedding_ref(table, ids), "rows")
     assert int(out[1].abs().sum()) == 0 and int(out[2].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_step_lens_are_lengths_plus_one(fold):
+    """A decode step's first kernel also writes the attention lengths (lengths + 1), rows unchanged."""
+    table = randn(1000, 576, seed=3)
+    ids = torch.tensor([5, 999, 0], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([0, 17, 4095], dtype=torch.int32, device="cuda")
+    lens = torch.full((3,), -7, dtype=torch.int32, device="cuda")
+    if fold:
+        out, _ = embedding_fold(table, ids, torch.ones(576, dtype=torch.float16, device="cuda"), step_lens=(lengths, lens))
+    else:
+        out = embedding(table, ids, step_lens=(lengths, lens))
+    assert lens.tolist() == [1, 18, 4096] and lengths.tolist() == [0, 17, 4095]
+    assert_equal(out, table[ids.long()], "rows")

@@ -9,7 +9,7 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import build  # noqa: E402
-from kernels_cu.sampling import GpuSampler, params_tensor, sampling_probs_ref  # noqa: E402
+from kernels_cu.sampling import GpuSampler, StepState, params_tensor, sampling_probs_ref  # noqa: E402
 from model_zoo.sampling import SamplingConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -114,6 +114,26 @@ def test_ties_at_the_kth_value_are_all_candidates():
     assert set(tokens.view(-1).tolist()) == set(torch.nonzero(probs > 0).view(-1).tolist())
     ok, msg = chi_square_ok(tokens, probs)
     assert ok, msg
+
+
+
+def test_step_state_feeds_the_next_step():
+    """With a StepState the sampler writes the next step's ids and advances the active rows' lengths, finished
+    rows included (they feed eos_ids[0])."""
+    V = 1000
+    logits = randn(3, V, seed=4, dtype=torch.float16)
+    logits[:, 2] = -60.0
+    logits[1, 7] = 60.0  # row 1 samples eos 7 on the first call
+    s = GpuSampler(3, V, [2, 7], config=SamplingConfig(temperature=0.0))
+    step = StepState(torch.full((3,), -1, dtype=torch.int32, device="cuda"),
+                     torch.tensor([10, 20, 30], dtype=torch.int32, device="cuda"),
+                     torch.tensor([1, 1, 0], dtype=torch.int32, device="cuda"))
+    first = s.sample(logits, step).tolist()
+    assert step.next_ids.tolist() == first and first[1] == 7
+    assert step.lengths.tolist() == [11, 21, 30]
+    second = s.sample(logits, step).tolist()
+    assert second[1] == 2 and step.next_ids.tolist() == second  # finished: eos_ids[0]
+    assert step.lengths.tolist() == [12, 22, 30]
 
 
 def test_finished_rows_stay_finished_and_output_eos():
