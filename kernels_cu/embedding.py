@@ -50,7 +50,9 @@ def embedding_fold(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     return out, fold
 
 
-def _step_lens(step_lens: tuple[torch.Tensor, torch.Tensor] | None, T: int) -> tuple:
+def _step_lens(step_lens: tuple[torch.Tensor, torch.Tensor] | None,
+               T: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The kernel's (lengths, lens) arguments: both null, or both checked int32 [T]."""
     if step_lens is None:
         return None, None
     lengths, lens = step_lens
