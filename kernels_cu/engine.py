@@ -509,7 +509,9 @@ class Engine:
             if not cache.static:
                 cache.static = {"tokens": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device),
                                 "active": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device),
-                                "row": torch.arange(cache.bucket, dtype=torch.int32, device=self._device)}
+                                "row": torch.arange(cache.bucket, dtype=torch.int32, device=self._device),
+                                # attention's lengths (lengths + 1), written by the step's embedding kernel
+                                "lens": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device)}
             st = cache.static
             st["tokens"][idx] = tokens.to(self._device, torch.int32)
             st["active"].zero_()
@@ -547,10 +549,7 @@ class Engine:
         does it)."""
         st = cache.static
         pos = cache.lengths  # the new token's position, per row
-        # [Bb] attention covers the new token: lengths + 1, written by the embedding kernel
-        if "lens" not in st:
-            st["lens"] = torch.empty_like(cache.lengths)
-        lens = st["lens"]
+        lens = st["lens"]  # [Bb] attention covers the new token: lengths + 1, written by the embedding kernel
         step_lens = (cache.lengths, lens)
         c = self.config
         fold = None
