@@ -286,6 +286,18 @@ def programmatic_active() -> bool:
     return getattr(_local, "depth", 0) > 0 and pdl_supported()
 
 
+# torch's current stream as a raw handle without making a Stream object (the accessor torch's own generated code
+# uses; absent from CPU builds, where nothing launches). torch.cuda.current_stream() costs a few us a launch, and
+# an eager prefill is several hundred launches whose host time the GPU waits for at batch 1.
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    if _raw_current_stream is not None:
+        return _raw_current_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 class KernelFunction:
     """A compiled kernel with a declared argument signature, launched async on fllama's stream."""
 
@@ -303,6 +315,7 @@ class KernelFunction:
         self.cluster_launches = 0
         self._stream = stream()
         self._stream_handle = int(self._stream.handle)
+        self._device_index = torch.cuda.current_device()  # fllama's one context and stream live on it
         self._max_dynamic_shared = STATIC_SHARED_LIMIT
         self._ex_max_dynamic_shared = STATIC_SHARED_LIMIT
         self._sync_each = os.environ.get("FLLAMA_CUDA_SYNC") == "1"  # debugging: surface async faults here
@@ -321,7 +334,7 @@ class KernelFunction:
         cuLaunchKernelEx (launch_ex.py) since cuLaunchKernel has no way to pass them; needs sm_90."""
         if len(args) != len(self.signature):
             raise TypeError(f"{self.name} takes {len(self.signature)} arguments ({self.signature}), got {len(args)}")
-        if torch.cuda.current_stream().cuda_stream != self._stream_handle:
+        if current_stream_handle(self._device_index) != self._stream_handle:
             # A launch off torch's current stream would race with the torch ops that made its inputs.
             raise RuntimeError(f"{self.name}: launch inside `with kernels_cu.build.on_stream():`")
         packed = [_pack_arg(code, a, self.name, i) for i, (code, a) in enumerate(zip(self.signature, args))]

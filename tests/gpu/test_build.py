@@ -9,7 +9,7 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import build  # noqa: E402
-from kernels_cu.embedding import embedding  # noqa: E402
+from kernels_cu.embedding import SIGNATURE as EMBEDDING_SIGNATURE, embedding  # noqa: E402
 from kernels_cu.quantize import quantize, quantize_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -39,10 +39,11 @@ def test_cubins_are_cached_on_disk_and_functions_in_process(tmp_path, monkeypatc
     mtime = path.stat().st_mtime_ns
     assert build.compile_cubin("embedding.cu", build.device_arch()) == path
     assert path.stat().st_mtime_ns == mtime  # the second call did not recompile
-    f1 = build.get_function("embedding.cu", "embedding_i32", "PPPii")
-    assert build.get_function("embedding.cu", "embedding_i32", "PPPii") is f1
+    # the launcher's own signature: a stale one here is cached and breaks every later embedding launch
+    f1 = build.get_function("embedding.cu", "embedding_i32", EMBEDDING_SIGNATURE)
+    assert build.get_function("embedding.cu", "embedding_i32", EMBEDDING_SIGNATURE) is f1
     with pytest.raises(ValueError, match="signature"):
-        build.get_function("embedding.cu", "embedding_i32", "PPii")
+        build.get_function("embedding.cu", "embedding_i32", EMBEDDING_SIGNATURE[:-1])
 
 
 def test_launch_off_fllamas_stream_is_refused():
