@@ -178,9 +178,14 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Trigger 4's small decode steps: up to FLLAMA_PDL_EARLY_ROWS rows, whose kernels trigger right after their wait.
+__device__ __forceinline__ bool pdl_early_rows(int rows) {
+    return FLLAMA_PDL_TRIGGER == 4 && rows <= FLLAMA_PDL_EARLY_ROWS;
+}
+
 // The GEMVs' two trigger points (after the wait / after the main loop); rows: the GEMV's M.
 __device__ __forceinline__ void pdl_gemv_started(int rows) {
-    if (FLLAMA_PDL_TRIGGER == 1 || (FLLAMA_PDL_TRIGGER == 4 && rows <= FLLAMA_PDL_EARLY_ROWS)) pdl_launch_dependents();
+    if (FLLAMA_PDL_TRIGGER == 1 || pdl_early_rows(rows)) pdl_launch_dependents();
 }
 __device__ __forceinline__ void pdl_gemv_streamed() {
     if (FLLAMA_PDL_TRIGGER >= 2) pdl_launch_dependents();
@@ -190,7 +195,7 @@ __device__ __forceinline__ void pdl_gemv_streamed() {
 // FLLAMA_PDL_EARLY_ROWS rows). rows: the batch's rows.
 __device__ __forceinline__ void pdl_enter_attention(int rows) {
     pdl_wait();
-    if (FLLAMA_PDL_TRIGGER < 3 || (FLLAMA_PDL_TRIGGER == 4 && rows <= FLLAMA_PDL_EARLY_ROWS)) pdl_launch_dependents();
+    if (FLLAMA_PDL_TRIGGER < 3 || pdl_early_rows(rows)) pdl_launch_dependents();
 }
 
 __device__ __forceinline__ void pdl_enter() {
