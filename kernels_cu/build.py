@@ -122,12 +122,45 @@ def torch_stream() -> torch.cuda.ExternalStream:
         return _state["torch_stream"]
 
 
-@contextmanager
-def on_stream() -> Iterator[torch.cuda.ExternalStream]:
+# torch's current stream as a raw handle without making a Stream object (the accessor torch's own generated code
+# uses; absent from CPU builds, where nothing launches): 0.21 us a call against 7.2 for torch.cuda.current_stream()
+# on an H200 host. Every launch checks it, and an eager prefill is a few hundred launches.
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The raw CUDA stream torch's ops on device `device_index` go to now."""
+    if _raw_current_stream is not None:
+        return _raw_current_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+class _OnStream:
+    """`with on_stream():`'s context manager (a class: a generator-based one costs more than the switch it skips)."""
+
+    __slots__ = ("_switch",)
+
+    def __enter__(self) -> torch.cuda.ExternalStream:
+        ts = torch_stream()
+        # Nested use (every launcher wraps itself, and the engine wraps whole passes) finds the stream current
+        # already and switches nothing: torch.cuda.stream's enter and exit cost ~21 us of host time on an H200
+        # host (device queries, two stream switches), 4 us with this test, paid by each of an eager prefill's
+        # few hundred launches, which made batch-1 prefill at 512 tokens host-bound.
+        if torch.cuda.current_device() == ts.device_index and current_stream_handle(ts.device_index) == ts.cuda_stream:
+            self._switch = None
+            return ts
+        self._switch = torch.cuda.stream(ts)
+        self._switch.__enter__()
+        return ts
+
+    def __exit__(self, *exc) -> None:
+        if self._switch is not None:
+            self._switch.__exit__(*exc)
+
+
+def on_stream() -> _OnStream:
     """`with on_stream():` makes fllama's stream torch's current stream (allocations and ops)."""
-    ts = torch_stream()
-    with torch.cuda.stream(ts):
-        yield ts
+    return _OnStream()
 
 
 def synchronize() -> None:
@@ -240,14 +273,15 @@ def _module(cu_file: str, options: tuple[str, ...]):
 
 def get_function(cu_file: str, name: str, signature: str, options: tuple[str, ...] = ()) -> "KernelFunction":
     """The `extern "C" __global__` entry `name` of kernels_cu/<cu_file>, ready to launch."""
-    options = tuple(options)
-    with _lock:
-        functions = _state.setdefault("functions", {})
-        key = (cu_file, options, name)
-        if key not in functions:
-            module, path = _module(cu_file, options)
-            functions[key] = KernelFunction(module.get_function(name), name, signature, path)
-        fn = functions[key]
+    key = (cu_file, tuple(options), name)
+    fn = _state.get("functions", {}).get(key)  # lock-free once made (a dict read is atomic): a lookup per launch
+    if fn is None:
+        with _lock:
+            functions = _state.setdefault("functions", {})
+            if key not in functions:
+                module, path = _module(cu_file, key[1])
+                functions[key] = KernelFunction(module.get_function(name), name, signature, path)
+            fn = functions[key]
     if fn.signature != signature:
         raise ValueError(f"{name}: signature {signature!r} differs from the earlier {fn.signature!r}")
     return fn
@@ -262,10 +296,11 @@ def pdl_supported() -> bool:
     """Programmatic dependent launch: Hopper or newer, and not turned off with FLLAMA_PDL=0."""
     if os.environ.get("FLLAMA_PDL", "1") == "0":
         return False
-    with _lock:
-        if "pdl" not in _state:
-            _state["pdl"] = torch.cuda.get_device_capability()[0] >= 9
-        return _state["pdl"]
+    supported = _state.get("pdl")
+    if supported is None:
+        with _lock:
+            supported = _state.setdefault("pdl", torch.cuda.get_device_capability()[0] >= 9)
+    return supported
 
 
 @contextmanager
@@ -286,19 +321,6 @@ def programmatic_active() -> bool:
     return getattr(_local, "depth", 0) > 0 and pdl_supported()
 
 
-# torch's current stream as a raw handle without making a Stream object (the accessor torch's own generated code
-# uses; absent from CPU builds, where nothing launches): 0.21 us a call against 7.2 for torch.cuda.current_stream()
-# on an H200 host. Every launch checks it, and an eager prefill is a few hundred launches.
-_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def current_stream_handle(device_index: int) -> int:
-    """The raw CUDA stream torch's ops on device `device_index` go to now."""
-    if _raw_current_stream is not None:
-        return _raw_current_stream(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
 class KernelFunction:
     """A compiled kernel with a declared argument signature, launched async on fllama's stream."""
 
@@ -307,6 +329,7 @@ class KernelFunction:
         if bad:
             raise ValueError(f"{name}: unknown signature codes {sorted(bad)} (use {''.join(sorted(SIGNATURE_CODES))})")
         self._fn = fn.prepare(signature)
+        self._convs = fast_converters(signature)
         self.name = name
         self.signature = signature
         self._cubin = cubin  # loaded a second time by launch_ex for programmatic launches
@@ -338,7 +361,7 @@ class KernelFunction:
         if current_stream_handle(self._device_index) != self._stream_handle:
             # A launch off torch's current stream would race with the torch ops that made its inputs.
             raise RuntimeError(f"{self.name}: launch inside `with kernels_cu.build.on_stream():`")
-        packed = [_pack_arg(code, a, self.name, i) for i, (code, a) in enumerate(zip(self.signature, args))]
+        packed = _pack_args(self._convs, self.signature, self.name, args)
         if shared > self._max_dynamic_shared:
             import pycuda.driver as drv
             self._fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
@@ -396,11 +419,59 @@ class KernelFunction:
         return self._fn.num_regs
 
 
+_DIM3: dict[tuple, tuple[int, int, int]] = {}  # the launches' grids and blocks, checked once each
+
+
 def _dim3(d: tuple) -> tuple[int, int, int]:
-    d = tuple(int(x) for x in d)
-    if not 1 <= len(d) <= 3 or min(d) < 1:
-        raise ValueError(f"launch dimensions must be 1 to 3 positive ints, got {d}")
-    return d + (1,) * (3 - len(d))
+    try:
+        hit = _DIM3.get(d)
+    except TypeError:  # a list
+        hit = None
+    if hit is not None:
+        return hit
+    out = tuple(int(x) for x in d)
+    if not 1 <= len(out) <= 3 or min(out) < 1:
+        raise ValueError(f"launch dimensions must be 1 to 3 positive ints, got {out}")
+    out += (1,) * (3 - len(out))
+    if isinstance(d, tuple) and len(_DIM3) < 65536 and all(type(x) is int for x in d):
+        _DIM3[d] = out
+    return out
+
+
+def _fast_ptr(a: Any) -> int:
+    """'P' for a GPU tensor or None; raises for anything else, which _pack_arg then converts or names."""
+    if a is None:
+        return 0
+    if isinstance(a, torch.Tensor) and a.is_cuda:
+        return a.data_ptr()
+    raise ValueError("not a GPU tensor")
+
+
+def _fast_int(a: Any) -> int:
+    if type(a) is int:
+        return a
+    raise TypeError("not an int")
+
+
+def _refuse(a: Any) -> Any:
+    raise TypeError("no fast conversion")
+
+
+_FAST_CONVERT = {"P": _fast_ptr, "f": float, "i": _fast_int, "I": _fast_int, "q": _fast_int, "Q": _fast_int}
+
+
+def fast_converters(signature: str) -> tuple:
+    return tuple(_FAST_CONVERT.get(code, _refuse) for code in signature)
+
+
+def _pack_args(convs: tuple, signature: str, name: str, args: tuple) -> list:
+    """The launch's argument values: the common ones (GPU tensors, None, ints, floats) without _pack_arg's
+    bookkeeping, which is a launch's largest host cost after the driver call; anything else, or a bad argument,
+    through _pack_arg, which converts it or names it."""
+    try:
+        return [conv(a) for conv, a in zip(convs, args)]
+    except Exception:
+        return [_pack_arg(code, a, name, i) for i, (code, a) in enumerate(zip(signature, args))]
 
 
 def _pack_arg(code: str, a: Any, name: str, i: int):

@@ -183,24 +183,28 @@ class ExLauncher:
         self._cfg = LaunchConfig(attrs=ctypes.cast(self._attrs, ctypes.POINTER(LaunchAttribute)))
         self._cfg_ref = ctypes.byref(self._cfg)
         self._call_lock = threading.Lock()  # the buffers are shared between calls
+        self._shape = None  # the launch shape the config holds now
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, shared: int,
                  args: list, programmatic: bool = True, cluster: tuple[int, int, int] | None = None) -> None:
+        shape = (grid, block, stream, shared, programmatic, cluster)
         with self._call_lock:
             self._fmt.pack_into(self._buf, 0, *args)
-            n = 0
-            if programmatic:
-                a = self._attrs[n]
-                a.id, a.value, a.y, a.z = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0, 0
-                n += 1
-            if cluster is not None:
-                n = _cluster_attrs(self._attrs, n, cluster)
-            c = self._cfg
-            c.numAttrs = n
-            c.gridDimX, c.gridDimY, c.gridDimZ = grid
-            c.blockDimX, c.blockDimY, c.blockDimZ = block
-            c.sharedMemBytes = shared
-            c.hStream = stream
+            if shape != self._shape:  # the config's ctypes fields are slow to set, and a launcher repeats its shapes
+                n = 0
+                if programmatic:
+                    a = self._attrs[n]
+                    a.id, a.value, a.y, a.z = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0, 0
+                    n += 1
+                if cluster is not None:
+                    n = _cluster_attrs(self._attrs, n, cluster)
+                c = self._cfg
+                c.numAttrs = n
+                c.gridDimX, c.gridDimY, c.gridDimZ = grid
+                c.blockDimX, c.blockDimY, c.blockDimZ = block
+                c.sharedMemBytes = shared
+                c.hStream = stream
+                self._shape = shape
             rc = self._lib.cuLaunchKernelEx(self._cfg_ref, self.fn, None, self._extra)
         if rc != 0:
             _check(rc, f"kernel {self.name} grid={grid} block={block}")

@@ -8,6 +8,7 @@ import re
 import struct
 
 import pytest
+import torch
 
 from kernels_cu import build, launch_ex
 from kernels_cu.build import KERNEL_DIR
@@ -136,3 +137,64 @@ def test_launcher_passes_cluster_dimensions_with_or_without_pdl(monkeypatch):
     # cuda.h: CUlaunchAttributeValue.clusterDim is {x, y, z} at the start of the union
     A = launch_ex.LaunchAttribute
     assert (A.value.offset, A.y.offset, A.z.offset) == (8, 12, 16)
+
+
+def test_launcher_keeps_a_repeated_shape_and_rewrites_a_changed_one(monkeypatch):
+    seen = []
+
+    class FakeDriver:
+        def cuLaunchKernelEx(self, cfg_ref, fn, params, extra):
+            cfg = cfg_ref._obj
+            seen.append(((cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream,
+                         [cfg.attrs[i].id for i in range(cfg.numAttrs)],
+                         ctypes.string_at(extra[1], ctypes.c_size_t.from_address(extra[3]).value)))
+            return 0
+
+    monkeypatch.setattr(launch_ex, "_lib", lambda: FakeDriver())
+    launch = launch_ex.ExLauncher(0xF00, "k", "Pi")
+    pdl, cl = launch_ex.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, launch_ex.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    bal = launch_ex.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+    launch((4, 1, 1), (128, 1, 1), 0xA, 0, [0x10, 1])
+    launch((4, 1, 1), (128, 1, 1), 0xA, 0, [0x20, 2])  # same shape: only the arguments change
+    launch((8, 2, 1), (256, 1, 1), 0xB, 512, [0x30, 3], programmatic=False, cluster=(2, 1, 1))
+    launch((4, 1, 1), (128, 1, 1), 0xA, 0, [0x40, 4])  # back to the first shape: every field rewritten
+    launch((4, 1, 1), (128, 1, 1), 0xC, 0, [0x50, 5])  # another stream
+    assert seen == [((4, 1, 1), 128, 0, 0xA, [pdl], struct.pack("@Pi", 0x10, 1)),
+                    ((4, 1, 1), 128, 0, 0xA, [pdl], struct.pack("@Pi", 0x20, 2)),
+                    ((8, 2, 1), 256, 512, 0xB, [cl, bal], struct.pack("@Pi", 0x30, 3)),
+                    ((4, 1, 1), 128, 0, 0xA, [pdl], struct.pack("@Pi", 0x40, 4)),
+                    ((4, 1, 1), 128, 0, 0xC, [pdl], struct.pack("@Pi", 0x50, 5))]
+
+
+def test_argument_fast_path_packs_as_the_checked_path_and_falls_back_for_the_rest():
+    class GpuTensor(torch.Tensor):  # a tensor that says it is on the GPU, at a known address
+        @property
+        def is_cuda(self):
+            return True
+
+        def data_ptr(self):
+            return 0xBEEF
+
+    import numpy as np
+    sig = "PPPifqI"
+    convs = build.fast_converters(sig)
+    gpu = torch.zeros(2).as_subclass(GpuTensor)
+    args = (gpu, None, 0x1234, 7, 0.5, np.int64(3), 2)  # a raw address and a numpy int take the checked path
+    want = [0xBEEF, 0, 0x1234, 7, 0.5, 3, 2]
+    assert build._pack_args(convs, sig, "k", args) == want
+    assert build._pack_args(convs, sig, "k", (gpu, None, None, 7, 1, 3, 2)) == [0xBEEF, 0, 0, 7, 1.0, 3, 2]
+    with pytest.raises(ValueError, match="argument 0: tensor is on cpu"):
+        build._pack_args(convs, sig, "k", (torch.zeros(2),) + args[1:])
+    with pytest.raises(TypeError, match="argument 3: expected an int"):
+        build._pack_args(convs, sig, "k", args[:3] + (True,) + args[4:])
+    with pytest.raises(TypeError, match="argument 3: expected an int"):
+        build._pack_args(convs, sig, "k", args[:3] + (7.0,) + args[4:])
+
+
+def test_launch_dimensions_are_checked_once_and_padded():
+    assert build._dim3((5,)) == (5, 1, 1) and build._dim3((5,)) == (5, 1, 1)  # the second from the memo
+    assert build._dim3([2, 3]) == (2, 3, 1)
+    assert build._dim3((np_int := __import__("numpy").int32(4), 2)) == (4, 2, 1) and int(np_int) == 4
+    for bad in ((0,), (1, 1, 1, 1), ()):
+        with pytest.raises(ValueError, match="1 to 3 positive ints"):
+            build._dim3(bad)
