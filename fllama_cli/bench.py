@@ -127,7 +127,7 @@ def bench_cmd(
 
 
 COLUMNS = [("scheme", "scheme", "{}"), ("batch", "batch", "{}"), ("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
-           ("ttft_ms", "TTFT ms", "{:.1f}"), ("decode_tok_s", "decode tok/s", "{:,.1f}"),
+           ("ttft_ms", "TTFT ms", "{:.1f}"), ("ttft_eager_ms", "TTFT new shape ms", "{:.1f}"), ("decode_tok_s", "decode tok/s", "{:,.1f}"),
            ("ms_per_step_median", "ms/step p50", "{:.3f}"), ("ms_per_step_p90", "p90", "{:.3f}"),
            ("effective_gb_s", "GB/s", "{:,.0f}"), ("pct_of_bandwidth", "% of copy bw", "{:.1f}"),
            ("floor_tok_s", "floor tok/s", "{:,.0f}"), ("speedup_decode", "x torch.compile decode", "{:.2f}"),

@@ -45,8 +45,8 @@ def takes(x: torch.Tensor, p) -> bool:
 
 
 def launch(x: torch.Tensor, p, residual: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-    """Arguments as awq_linear (which checks them). x's tensor map is made once per buffer (tensor_map.py), so the
-    first call on a new x cannot be inside CUDA-graph capture."""
+    """Arguments as awq_linear (which checks them). x's tensor map is made once per buffer (tensor_map.py; under
+    CUDA-graph capture a kernel writes it)."""
     M, K = x.shape
     with build.on_stream():
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=16)  # 16-byte row stores

@@ -128,15 +128,18 @@ def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: i
     stream = build.torch_stream()
     rows = list(range(batch))
 
-    def prefill() -> None:
+    def prefill(graph: bool = True) -> None:
         cache.lengths.zero_()
-        logits = engine.forward(prompts, cache)  # [B, P, V]
+        logits = engine.forward(prompts, cache, prefill_graph=graph)  # [B, P, V]
         sampler.sample(logits[:, -1], rows)
 
-    for _ in range(3):  # warm-up: kernel builds, cuBLAS heuristics and handles, allocator pools (one was noisy)
+    # warm-up: kernel builds, cuBLAS heuristics and handles, allocator pools (one was noisy); a short prefill's
+    # graph is captured on its shape's second run (engine.PREFILL_GRAPH_TOKENS), as torch.compile's is per shape
+    for _ in range(3):
         prefill()
     with torch.cuda.stream(stream):
         prefill_times = _events_time(prefill, cfg.repeat)
+        eager_times = _events_time(lambda: prefill(graph=False), cfg.repeat)  # a prompt of a new shape
     prefill_s = statistics.median(prefill_times)
 
     # decode: the first step captures the graph; then time each replay separately
@@ -161,6 +164,7 @@ def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: i
     # system's throughput; REFERENCE.md section 5 computes its floors the same way
     floor_s = (w_bytes + kv_bytes) / bandwidth
     return {"batch": batch, "prefill_tok_s": batch * cfg.prompt_len / prefill_s, "ttft_ms": prefill_s * 1e3,
+            "ttft_eager_ms": statistics.median(eager_times) * 1e3,
             "decode_tok_s": batch / med, "ms_per_step_median": med * 1e3, "ms_per_step_p90": p90 * 1e3,
             "bytes_per_step": w_bytes + kv_bytes, "effective_gb_s": (w_bytes + kv_bytes) / med / 1e9,
             "pct_of_bandwidth": 100 * (w_bytes + kv_bytes) / med / bandwidth,

@@ -13,6 +13,8 @@ Backend of the same generation loop as the CPU reference (model_zoo.generation).
 from __future__ import annotations
 
 import functools
+import os
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -64,6 +66,15 @@ DEFER_SWIGLU = True
 # quantizes xg for q|k|v / gate|up instead of rmsnorm_quant's one block per row (layer 0's input norm and the
 # final norm stay rmsnorm kernels). Switch for A/B runs.
 FOLD_INT8 = True
+# Eager prefill costs the host ~25-80 us a kernel (torch ops, allocations, checks, the launch), so a short one is
+# host-bound: at 512 tokens (batch 1, H200) the GPU is busy ~11 ms of int8's and fp16's ~20-35 ms. A prefill of up
+# to PREFILL_GRAPH_TOKENS tokens (rows x length) whose shape (rows, length, starts) comes a second time is captured
+# into a CUDA graph, and replayed from then on (eval's fixed windows, repeated prompts, benchmarks; torch.compile's
+# reduce-overhead mode does the same per shape). Longer prefills are GPU-bound and stay eager. Each graph keeps its
+# own activation memory, so a cache keeps the PREFILL_GRAPHS most recently used.
+PREFILL_GRAPH_TOKENS = 1024
+PREFILL_GRAPHS = 2
+PREFILL_SEEN_MAX = 256  # shapes remembered as seen once; the set restarts when full
 
 
 @contextmanager
@@ -237,6 +248,10 @@ class GpuCache:
     k_scale: list = field(default_factory=list)  # with kv_int8: per layer [Bb, n_kv, cap + 1] fp32 (x = q * scale)
     v_scale: list = field(default_factory=list)
     graphs: dict = field(default_factory=dict)  # "logits" | "sampled" -> (CUDA graph, its output tensor)
+    # prefill graphs: (rows, length, starts) -> (graph, its ids input, its logits, the other inputs it reads),
+    # least recently used first
+    prefill_graphs: OrderedDict = field(default_factory=OrderedDict)
+    prefill_seen: set = field(default_factory=set)  # prefill shapes run once, eagerly
     static: dict = field(default_factory=dict)  # buffers the graphs read: tokens, active, row
 
     @property
@@ -255,6 +270,7 @@ class GpuCache:
 class EngineConfig:
     max_len: int = 4096  # KV positions per row, capped at the model's context
     use_graphs: bool = True
+    prefill_graphs: bool = True  # a repeated short prefill shape replays a graph (PREFILL_GRAPH_TOKENS); needs use_graphs
     kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
     fold_norms: bool = True  # small decode batches (fp16, AWQ: FOLD_MAX_ROWS; int8: 16 rows): norms deferred into GEMVs
     fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
@@ -284,6 +300,7 @@ class Engine:
             self.cos_sin = rope_table(self.config.head_dim, self.config.rope_theta, self.config.max_positions + 1, dev)
         self._caches: dict[tuple[int, bool], GpuCache] = {}
         self._samplers: dict[int, GpuSampler] = {}
+        self._prefill_capture_failed = False
         build.synchronize()
 
     # -- construction -----------------------------------------------------------------------------------
@@ -460,28 +477,73 @@ class Engine:
     # -- forward -----------------------------------------------------------------------------------------
     @_api
     def forward(self, tokens: torch.Tensor, cache: GpuCache | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] -> fp32 logits [B, S, V]; with a cache each row continues at its own length."""
+                rows: torch.Tensor | None = None, *, prefill_graph: bool = True) -> torch.Tensor:
+        """tokens [B, S] -> fp32 logits [B, S, V]; with a cache each row continues at its own length.
+        prefill_graph=False: a prefill runs eagerly even when its shape has a graph (benchmarks: a new prompt's
+        time to first token)."""
         B, S = tokens.shape
         if cache is None:
             cache = self.new_cache(B, S, scratch=True)
         rows_l = list(range(B)) if rows is None else [int(r) for r in rows]
         if S == 1:  # decode kernels (graph replay, or the same kernels eagerly with use_graphs off)
             return self._decode(tokens[:, 0], cache, rows_l)[:, None]
-        return self._prefill(tokens, cache, rows_l)
+        return self._prefill(tokens, cache, rows_l, prefill_graph)
 
-    def _prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int]) -> torch.Tensor:
+    def _prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int], graph_ok: bool = True) -> torch.Tensor:
+        """Eager, or the replay of a graph captured the second time the same prefill shape comes (rows, length,
+        starts): PREFILL_GRAPH_TOKENS."""
         B, S = tokens.shape
-        dev = self._device
-        starts = cache.lengths[torch.tensor(rows, device=self._device)].tolist()
+        with build.on_stream():
+            idx = torch.tensor(rows, device=self._device)  # [B]
+        starts = cache.lengths[idx].tolist()
         if max(starts) + S > cache.capacity:
             raise PromptError(f"the KV cache holds {cache.capacity} positions; {max(starts) + S} are needed")
+        key = (tuple(rows), S, tuple(starts))
+        if not (graph_ok and self.cfg.use_graphs and self.cfg.prefill_graphs and B * S <= PREFILL_GRAPH_TOKENS
+                and not self._prefill_capture_failed):
+            return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+        graphs = cache.prefill_graphs
+        entry = graphs.get(key)
+        if entry is None:
+            if key not in cache.prefill_seen:  # a shape seen once runs eagerly: most never come again (chat turns)
+                if len(cache.prefill_seen) >= PREFILL_SEEN_MAX:
+                    cache.prefill_seen.clear()
+                cache.prefill_seen.add(key)
+                return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+            try:
+                entry = graphs[key] = self._capture_prefill(tokens, cache, rows, starts, idx)
+            except (DeviceError, RuntimeError):  # an op that cannot be captured: this engine's prefills stay eager
+                if os.environ.get("FLLAMA_DEBUG") == "1":
+                    raise
+                self._prefill_capture_failed = True  # capturing ran nothing: the cache is as it was
+                return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+            while len(graphs) > PREFILL_GRAPHS:
+                graphs.popitem(last=False)  # the least recently used
+        graphs.move_to_end(key)
+        graph, ids, out, _ = entry
+        with build.on_stream():
+            ids.copy_(tokens.reshape(-1))  # [T] int32 on the GPU: the graph's one input that changes
+            graph.replay()
+            return out.clone()  # the graph's output is overwritten by its next replay
+
+    def _prefill_inputs(self, tokens: torch.Tensor, starts: list[int],
+                        rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, positions and cache rows of a prefill, flattened [T] int32 on the GPU."""
+        S = tokens.shape[1]
+        dev = self._device
         with build.on_stream():
             ids = tokens.to(dev, torch.int32).reshape(-1).contiguous()  # [T]
             pos = torch.cat([torch.arange(s, s + S, dtype=torch.int32) for s in starts]).to(dev)  # [T]
             row = torch.tensor(rows, dtype=torch.int32).repeat_interleave(S).to(dev)  # [T]
+        return ids, pos, row
+
+    def _prefill_body(self, ids: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, idx: torch.Tensor,
+                      cache: GpuCache, rows: list[int], starts: list[int]) -> torch.Tensor:
+        """The prefill's kernels, from device inputs only (so a graph can capture them): fp32 logits [B, S, V]."""
+        B, S = len(rows), ids.shape[0] // len(rows)
+        c = self.config
+        with build.on_stream():
             h = embedding(self.embed, ids)  # [T, H]
-            c = self.config
 
             def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:  # qkv [T, (nh + 2 nkv) d]
                 q = self._rope(i, qkv, pos, row, cache)  # [T, nh, d]
@@ -492,9 +554,21 @@ class Engine:
             for i in range(c.n_layers):
                 h, _ = self._layer(i, h, cache, attend)
             logits = self._logits(h).float().reshape(B, S, -1)  # [B, S, V]
-            idx = torch.tensor(rows, device=dev)
             cache.lengths[idx] += S
         return logits
+
+    def _capture_prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int], starts: list[int],
+                         idx: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]:
+        """(graph, its ids input [T], its logits [B, S, V], the other inputs it reads) of this prefill shape: the
+        graph holds their addresses, so the entry keeps them alive. Capturing runs nothing, so the cache and
+        lengths are untouched until the replay; the eager run of the shape's first occurrence built the kernels
+        and warmed cuBLAS and SDPA up."""
+        ids, pos, row = self._prefill_inputs(tokens, starts, rows)
+        build.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=build.torch_stream()):
+            out = self._prefill_body(ids, pos, row, idx, cache, rows, starts)
+        return graph, ids, out, (pos, row, idx)
 
     def _decode(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int],
                 sampler: "GpuRowSampler | None" = None) -> torch.Tensor:

@@ -6,19 +6,20 @@ launchers pass pointers and scalars only (PyCUDA's prepared calls and launch_ex'
 instruction accepts a map's generic address in global memory as well. A map depends only on the tensor's
 address, shape and the box, so one uploaded map serves every later call on the same buffer: `device_map`
 keeps them in a small LRU keyed by exactly those. The upload is an ordinary copy on the current stream, ahead
-of the kernel that reads it; it cannot happen inside CUDA-graph capture, so a captured caller must have made
-its maps before capture (the prefill GEMMs that use them run eagerly).
+of the kernel that reads it. Inside CUDA-graph capture (the engine's prefill graphs) a copy from host memory
+cannot be captured, so the map goes into device memory through `put_map` (tensor_map.cu), a kernel whose
+parameters are the map's 16 words: captured by value, rewritten by every replay ahead of its GEMM.
 """
 
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections import OrderedDict
 
 import torch
 
 from kernels_cu import launch_ex
-from model_zoo.errors import DeviceError
 
 # cuda.h enums
 DATA_TYPE = {torch.float16: 6, torch.bfloat16: 9, torch.float32: 7, torch.uint8: 0, torch.int8: 0}
@@ -64,11 +65,25 @@ def device_map(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: int = 128
     if m is not None:
         _cache.move_to_end(key)
         return m
-    if torch.cuda.is_current_stream_capturing():
-        raise DeviceError("a TMA tensor map cannot be uploaded during CUDA graph capture: run the op once before")
     raw = encode_2d(t, box_cols, box_rows, swizzle)
-    m = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)  # 256-byte aligned, as the map needs 64
+    if torch.cuda.is_current_stream_capturing():
+        m = torch.empty(MAP_BYTES, dtype=torch.uint8, device=t.device)  # in the graph's pool, as long as it lives
+        _put_map(m, raw)
+    else:
+        m = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)  # 256-byte aligned (a map needs 64)
+        _put_map_kernel()  # built and loaded now: a capture later must not load a module
     _cache[key] = m
     if len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
     return m
+
+
+def _put_map(m: torch.Tensor, raw: bytes) -> None:
+    """raw (a map's 128 bytes) into device memory m by a kernel launch on the current (capturing) stream."""
+    _put_map_kernel()((1,), (32,), m, *struct.unpack("<16Q", raw))
+
+
+def _put_map_kernel():
+    from kernels_cu import build
+
+    return build.get_function("tensor_map.cu", "put_map", "P" + "Q" * 16)

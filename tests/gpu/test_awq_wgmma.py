@@ -113,6 +113,27 @@ def test_tensor_maps_are_kept_per_buffer():
     assert a.numel() == tensor_map.MAP_BYTES and a.is_cuda
 
 
+def test_a_captured_gemm_puts_the_map_of_a_buffer_the_capture_allocates():
+    """Under CUDA-graph capture (the engine's prefill graphs) x is made inside the capture, so its map cannot be
+    uploaded from the host: put_map writes it on every replay. Replays with new inputs equal eager launches."""
+    p = pack_for_gemv(*awq_tensors(1024, 768, 128, seed=5))
+    src = randn(200, 1024, seed=6)
+    awq_wgmma.launch(src * 1.0, p, None, None)  # eager first: kernels built, the weight's map made
+    build.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=build.torch_stream()):
+        x = src * 1.0  # an address only the capture knows
+        y = awq_wgmma.launch(x, p, None, None)
+    key = next(k for k in tensor_map._cache if k[1] == x.data_ptr())
+    for seed in (7, 8):
+        src.copy_(randn(200, 1024, seed=seed))
+        graph.replay()
+        want = awq_wgmma.launch(src.clone(), p, None, None)
+        assert torch.equal(y, want), seed
+    m = tensor_map._cache[key]
+    assert bytes(m.cpu().numpy()) == tensor_map.encode_2d(x, *key[4:6], key[6])
+
+
 def test_tensor_map_refuses_unaligned_rows():
     with pytest.raises(ValueError, match="16-byte"):
         tensor_map.encode_2d(randn(8, 12, seed=1), 8, 8)

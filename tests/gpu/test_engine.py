@@ -120,6 +120,51 @@ def test_graph_replay_equals_eager_decode():
     assert rel(outs[0], outs[1]) < 1e-3
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_prefill_graph_replays_equal_eager_prefills(scheme):
+    """A prefill shape's second run captures a graph and later runs replay it: the same logits, cache and lengths
+    as eager prefills of the same tokens, new tokens each time, from position 0 and continuing a row."""
+    from kernels_cu import engine as engine_mod
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS["smol-like"]
+    w = checkpoint(config, scheme)
+    graphed, eager = Engine(w, EngineConfig(max_len=256)), Engine(w, EngineConfig(max_len=256, prefill_graphs=False))
+    g = torch.Generator().manual_seed(7)
+    caches = [graphed.new_cache(2, 128), eager.new_cache(2, 128)]
+    held = None  # the previous run's logits and a copy of them
+    for run in range(4):  # eager, capture + replay, replay, replay
+        first = torch.randint(0, config.vocab_size, (2, 24), generator=g)
+        more = torch.randint(0, config.vocab_size, (1, 9), generator=g)  # row 1 continues at 24
+        outs = []
+        for eng, cache in zip((graphed, eager), caches):
+            cache.lengths.zero_()
+            a = eng.forward(first, cache)
+            b = eng.forward(more, cache, torch.tensor([1]))
+            outs.append((a, b, cache.lengths.clone(), [t[:, :, :33].clone() for t in cache.k + cache.v]))
+        (a0, b0, n0, kv0), (a1, b1, n1, kv1) = outs
+        assert torch.isfinite(a0).all() and torch.equal(a0, a1) and torch.equal(b0, b1), run
+        assert n0.tolist()[:2] == n1.tolist()[:2] == [24, 33]
+        assert all(torch.equal(x, y) for x, y in zip(kv0, kv1))
+        assert len(caches[0].prefill_graphs) == (0 if run == 0 else 2)
+        if held is not None:  # the logits handed out before are the caller's: a later replay leaves them alone
+            assert torch.equal(held[0], held[1])
+        held = (a0, a0.clone())
+    assert not eager.new_cache(2, 128).prefill_graphs
+    # a third shape drops the least recently used graph; a prefill above the limit never gets one
+    cache = caches[0]
+    for _ in range(2):
+        cache.lengths.zero_()
+        graphed.forward(torch.randint(0, config.vocab_size, (1, 5), generator=g), cache)
+    assert len(cache.prefill_graphs) == engine_mod.PREFILL_GRAPHS and ((0,), 5, (0,)) in cache.prefill_graphs
+    assert ((0, 1), 24, (0, 0)) not in cache.prefill_graphs
+    long = torch.randint(0, config.vocab_size, (4, engine_mod.PREFILL_GRAPH_TOKENS // 4 + 1))  # 4 x 257 tokens
+    for _ in range(2):
+        big = graphed.new_cache(4, long.shape[1] + 1)
+        graphed.forward(long, big)
+    assert not big.prefill_graphs
+
+
 def test_gpu_sampling_in_the_loop():
     config = CONFIGS["gqa4-d64"]
     eng, _ = engine_and_ref(config, "fp16")
