@@ -136,7 +136,7 @@ def current_stream_handle(device_index: int) -> int:
 
 
 class _OnStream:
-    """`with on_stream():`'s context manager (a class: a generator-based one costs more than the switch it skips)."""
+    """`with on_stream():`'s context manager (a class rather than @contextmanager: no generator per use)."""
 
     __slots__ = ("_switch",)
 
@@ -144,8 +144,8 @@ class _OnStream:
         ts = torch_stream()
         # Nested use (every launcher wraps itself, and the engine wraps whole passes) finds the stream current
         # already and switches nothing: torch.cuda.stream's enter and exit cost ~21 us of host time on an H200
-        # host (device queries, two stream switches), 4 us with this test, paid by each of an eager prefill's
-        # few hundred launches, which made batch-1 prefill at 512 tokens host-bound.
+        # host (device queries, two stream switches), a nested use with this test 4 us (measured in the generator
+        # form), paid by each of an eager prefill's few hundred launches, which made short prefills host-bound.
         if torch.cuda.current_device() == ts.device_index and current_stream_handle(ts.device_index) == ts.cuda_stream:
             self._switch = None
             return ts

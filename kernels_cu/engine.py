@@ -499,9 +499,13 @@ class Engine:
         if max(starts) + S > cache.capacity:
             raise PromptError(f"the KV cache holds {cache.capacity} positions; {max(starts) + S} are needed")
         key = (tuple(rows), S, tuple(starts))
+
+        def eager() -> torch.Tensor:
+            return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+
         if not (graph_ok and self.cfg.use_graphs and self.cfg.prefill_graphs and B * S <= PREFILL_GRAPH_TOKENS
                 and not self._prefill_capture_failed):
-            return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+            return eager()
         graphs = cache.prefill_graphs
         entry = graphs.get(key)
         if entry is None:
@@ -509,14 +513,14 @@ class Engine:
                 if len(cache.prefill_seen) >= PREFILL_SEEN_MAX:
                     cache.prefill_seen.clear()
                 cache.prefill_seen.add(key)
-                return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+                return eager()
             try:
                 entry = graphs[key] = self._capture_prefill(tokens, cache, rows, starts, idx)
             except (DeviceError, RuntimeError):  # an op that cannot be captured: this engine's prefills stay eager
                 if os.environ.get("FLLAMA_DEBUG") == "1":
                     raise
                 self._prefill_capture_failed = True  # capturing ran nothing: the cache is as it was
-                return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+                return eager()
             while len(graphs) > PREFILL_GRAPHS:
                 graphs.popitem(last=False)  # the least recently used
         graphs.move_to_end(key)

@@ -67,11 +67,13 @@ def device_map(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: int = 128
         return m
     raw = encode_2d(t, box_cols, box_rows, swizzle)
     if torch.cuda.is_current_stream_capturing():
-        m = torch.empty(MAP_BYTES, dtype=torch.uint8, device=t.device)  # in the graph's pool, as long as it lives
+        # In the graph's private pool, which keeps the block for the graph's replays after this tensor is gone. Not
+        # cached: it holds the map only once a replay has run put_map, and an eager caller must not see it before.
+        m = torch.empty(MAP_BYTES, dtype=torch.uint8, device=t.device)
         _put_map(m, raw)
-    else:
-        m = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)  # 256-byte aligned (a map needs 64)
-        _put_map_kernel()  # built and loaded now: a capture later must not load a module
+        return m
+    m = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)  # 256-byte aligned (a map needs 64)
+    _put_map_kernel()  # built and loaded now: a capture later must not load a module
     _cache[key] = m
     if len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)

@@ -124,14 +124,12 @@ def test_a_captured_gemm_puts_the_map_of_a_buffer_the_capture_allocates():
     with torch.cuda.graph(graph, stream=build.torch_stream()):
         x = src * 1.0  # an address only the capture knows
         y = awq_wgmma.launch(x, p, None, None)
-    key = next(k for k in tensor_map._cache if k[1] == x.data_ptr())
+    assert not any(k[1] == x.data_ptr() for k in tensor_map._cache)  # a captured map is the graph's alone
     for seed in (7, 8):
         src.copy_(randn(200, 1024, seed=seed))
         graph.replay()
         want = awq_wgmma.launch(src.clone(), p, None, None)
         assert torch.equal(y, want), seed
-    m = tensor_map._cache[key]
-    assert bytes(m.cpu().numpy()) == tensor_map.encode_2d(x, *key[4:6], key[6])
 
 
 def test_tensor_map_refuses_unaligned_rows():
