@@ -95,6 +95,16 @@ def _caller_ordered():
     caller.wait_stream(ours)
 
 
+def _record(body: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """body's kernels and torch ops captured on fllama's stream (the one every launch checks): (graph, its output).
+    What body launches must already be built and warmed up; the capture itself runs nothing."""
+    build.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=build.torch_stream()):
+        out = body()
+    return graph, out
+
+
 def _api(fn: Callable) -> Callable:
     """For the engine's public methods: every call is ordered with the caller's stream (see above)."""
     @functools.wraps(fn)
@@ -568,10 +578,7 @@ class Engine:
         lengths are untouched until the replay; the eager run of the shape's first occurrence built the kernels
         and warmed cuBLAS and SDPA up."""
         ids, pos, row = self._prefill_inputs(tokens, starts, rows)
-        build.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=build.torch_stream()):
-            out = self._prefill_body(ids, pos, row, idx, cache, rows, starts)
+        graph, out = _record(lambda: self._prefill_body(ids, pos, row, idx, cache, rows, starts))
         return graph, ids, out, (pos, row, idx)
 
     def _decode(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int],
@@ -671,11 +678,7 @@ class Engine:
             self._step_body(cache, sampler)
             for t, v in zip(state, saved):
                 t.copy_(v)
-        build.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=build.torch_stream()):
-            out = self._step_body(cache, sampler)
-        return graph, out
+        return _record(lambda: self._step_body(cache, sampler))
 
     @_api
     def replay_steps(self, cache: GpuCache, steps: int, sampled: bool = True) -> None:
