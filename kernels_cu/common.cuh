@@ -146,7 +146,9 @@ enum QuantMode { QUANT_NONE = 0, QUANT_DYNAMIC = 1, QUANT_STATIC = 2 };
 // kernel's outputs, nor write anything it reads, before pdl_wait(), which returns once the previous grid
 // has completed and its writes are visible. pdl_launch_dependents() then lets the next kernel start its
 // own blocks as ours retire: called after the wait, so that when kernel n + 1 starts, kernel n - 1 is
-// complete (n + 1 only ever overlaps n, and only in its prologue). Without the attribute both are no-ops.
+// complete (n + 1 only ever overlaps n, and only in its prologue). One exception: quantize.cu's quantize_fold_early
+// triggers before its wait, so the int8 decode GEMV after it (whose prologue reads only weights) may overlap the
+// kernel before it too. Without the attribute both are no-ops.
 // Every fllama kernel calls pdl_enter() (or the two steps, with weight loads between) before any other
 // global memory access.
 __device__ __forceinline__ void pdl_wait() {

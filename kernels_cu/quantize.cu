@@ -68,12 +68,22 @@ constexpr int PARTS_THREADS = 128;
 // the row reduces all C partials in one round trip beside its x loads, in a fixed order (every block gets the
 // same rstd), then quantizes its 1024 values. sq null: no norm (rstd = 1), so q and a_scale are quantize()'s
 // bits (the max of the partial maxima is the row's max).
-extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
-    quantize_fold(int8_t* __restrict__ q, float* __restrict__ a_scale, const float* __restrict__ mx,
-                  const float* __restrict__ sq, const float* __restrict__ static_amax,
-                  const __half* __restrict__ x, int K, float eps, int C) {
+// EARLY (quantize_fold_early): the dependents may launch before this kernel's wait, i.e. while the kernel before it
+// still runs. Only for a dependent that reads nothing but weights before its own wait (the int8 decode GEMVs: their
+// wait returns once this kernel, and so the one before it, has completed): their weight prefetch then streams
+// under the producer GEMV's tail, which a 1.4 us kernel in between otherwise leaves idle (docs/gpu.md step 24).
+template <bool EARLY>
+__device__ __forceinline__ void quantize_fold_rows(int8_t* __restrict__ q, float* __restrict__ a_scale,
+                                                   const float* __restrict__ mx, const float* __restrict__ sq,
+                                                   const float* __restrict__ static_amax,
+                                                   const __half* __restrict__ x, int K, float eps, int C) {
     __shared__ float s_max[PARTS_THREADS / 32], s_sum[PARTS_THREADS / 32];
-    pdl_enter();
+    if (EARLY) {
+        pdl_launch_dependents();
+        pdl_wait();
+    } else {
+        pdl_enter();
+    }
     const size_t row = blockIdx.y;
     const int c = blockIdx.x * PARTS_THREADS + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -114,3 +124,14 @@ extern "C" __global__ void __launch_bounds__(PARTS_THREADS)
     if (c < K / 8) quantize_store8(q + row * K + 8 * c, v, inv);
     if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = scale;
 }
+
+// (q int8 [T,K], a_scale f32 [T], mx f32 [T,C], sq f32 [T,C] or null, static_amax f32 [1] or null, x fp16 [T,K],
+//  int K, float eps, int C); grid (ceil(K / 1024), T), block 128
+#define FLLAMA_QUANTIZE_FOLD(NAME, EARLY)                                                                  \
+    extern "C" __global__ void __launch_bounds__(PARTS_THREADS)                                            \
+        NAME(int8_t* q, float* a_scale, const float* mx, const float* sq, const float* static_amax,       \
+             const __half* x, int K, float eps, int C) {                                                  \
+        quantize_fold_rows<EARLY>(q, a_scale, mx, sq, static_amax, x, K, eps, C);                         \
+    }
+FLLAMA_QUANTIZE_FOLD(quantize_fold, false)
+FLLAMA_QUANTIZE_FOLD(quantize_fold_early, true)

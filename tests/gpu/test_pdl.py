@@ -13,6 +13,8 @@ from kernels_cu.attention_decode import attention_decode, attention_decode_rope
 from kernels_cu.awq_gemv import awq_linear, pack_for_gemv
 from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.norm_fold import FoldOut
+from kernels_cu.quantize import quantize_fold
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
 from kernels_cu.rope_kv import rope_kv, rope_table
 from kernels_cu.silu_mul import silu_mul_quant
@@ -95,6 +97,45 @@ def test_chain_graph_replays_bitwise_equal(M):
         want = _chain(x, layers)  # serialized launches
         static.copy_(x)
         graph.replay()
+        assert torch.equal(out, want), f"replay {trial}: max diff {float((out.float() - want.float()).abs().max())}"
+
+
+def _int8_fold_chain(h: torch.Tensor, layers) -> torch.Tensor:
+    """h [M, H] through int8 GEMVs that defer the next RMSNorm (fold producers) and quantize_fold kernels that
+    let the next GEMV launch before their own wait (early=True): that GEMV then overlaps the producer before
+    quantize_fold, and must still read quantize_fold's output and nothing older."""
+    q, s = rmsnorm_quant(h, layers[0][0], EPS)
+    for wn, w8, s8 in layers:
+        fold = FoldOut.new(wn, h.shape[0], int8=True)
+        h = int8_gemm(q, s, w8, s8, residual=h, fold_out=fold)
+        q, s = quantize_fold(fold.xg, fold.mx, fold.part, EPS, early=True)
+    return int8_gemm(q, s, layers[0][1], layers[0][2])
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_early_quantize_fold_chain_bitwise_equal(M):
+    g = torch.Generator().manual_seed(11)
+    layers = [((1 + 0.1 * torch.randn(H, generator=g)).half().cuda(),
+               torch.randint(-127, 128, (H, H), generator=g, dtype=torch.int8).cuda(),
+               (torch.rand(H, generator=g) * 1e-4 + 5e-5).cuda()) for _ in range(6)]
+    static = torch.randn(M, H).half().cuda()
+    before = build.get_function("quantize.cu", "quantize_fold_early", "PPPPPPifi").programmatic_launches
+    with build.programmatic():
+        _int8_fold_chain(static, layers)  # warm-up: compile, allocate
+        build.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=build.torch_stream()):
+            out = _int8_fold_chain(static, layers)
+    assert build.get_function("quantize.cu", "quantize_fold_early", "PPPPPPifi").programmatic_launches > before
+    for trial in range(6):
+        x = torch.randn(M, H, generator=g).half().cuda()
+        want = _int8_fold_chain(x, layers)  # serialized launches
+        with build.programmatic():
+            eager = _int8_fold_chain(x, layers)
+        static.copy_(x)
+        graph.replay()
+        assert torch.isfinite(want).all() and float(want.float().abs().max()) > 0.1
+        assert torch.equal(eager, want), f"eager {trial}: max diff {float((eager.float() - want.float()).abs().max())}"
         assert torch.equal(out, want), f"replay {trial}: max diff {float((out.float() - want.float()).abs().max())}"
 
 
