@@ -54,6 +54,17 @@ def _chain(h: torch.Tensor, layers) -> torch.Tensor:
     return h
 
 
+def _captured(chain) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """chain() run once under programmatic launch (compile, allocate), then captured so: (graph, its output)."""
+    with build.programmatic():
+        chain()
+        build.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=build.torch_stream()):
+            out = chain()
+    return graph, out
+
+
 def _launched_programmatically() -> int:
     return sum(fn.programmatic_launches for fn in build._state.get("functions", {}).values())
 
@@ -85,12 +96,7 @@ def test_chain_eager_bitwise_equal(M):
 def test_chain_graph_replays_bitwise_equal(M):
     layers = _layers(3)
     static = torch.randn(M, H).half().cuda()
-    with build.programmatic():
-        _chain(static, layers)  # warm-up: compile, allocate
-        build.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=build.torch_stream()):
-            out = _chain(static, layers)
+    graph, out = _captured(lambda: _chain(static, layers))
     g = torch.Generator().manual_seed(100 + M)
     for trial in range(6):
         x = torch.randn(M, H, generator=g).half().cuda()
@@ -119,14 +125,10 @@ def test_early_quantize_fold_chain_bitwise_equal(M):
                torch.randint(-127, 128, (H, H), generator=g, dtype=torch.int8).cuda(),
                (torch.rand(H, generator=g) * 1e-4 + 5e-5).cuda()) for _ in range(6)]
     static = torch.randn(M, H).half().cuda()
-    before = build.get_function("quantize.cu", "quantize_fold_early", "PPPPPPifi").programmatic_launches
-    with build.programmatic():
-        _int8_fold_chain(static, layers)  # warm-up: compile, allocate
-        build.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=build.torch_stream()):
-            out = _int8_fold_chain(static, layers)
-    assert build.get_function("quantize.cu", "quantize_fold_early", "PPPPPPifi").programmatic_launches > before
+    early = build.get_function("quantize.cu", "quantize_fold_early", "PPPPPPifi")
+    before = early.programmatic_launches
+    graph, out = _captured(lambda: _int8_fold_chain(static, layers))
+    assert early.programmatic_launches > before
     for trial in range(6):
         x = torch.randn(M, H, generator=g).half().cuda()
         want = _int8_fold_chain(x, layers)  # serialized launches
@@ -172,12 +174,7 @@ def test_attention_chain_graph_replays_bitwise_equal(rope_mode):
     lengths = torch.tensor([5, 70], dtype=torch.int32, device="cuda")
     pos = lengths - 1
     static = torch.randn(M, NH * D, generator=g).half().cuda()
-    with build.programmatic():
-        _attention_chain(static, layers, caches, lengths, pos, cos_sin, rope_mode)  # warm-up: compile, allocate
-        build.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=build.torch_stream()):
-            out = _attention_chain(static, layers, caches, lengths, pos, cos_sin, rope_mode)
+    graph, out = _captured(lambda: _attention_chain(static, layers, caches, lengths, pos, cos_sin, rope_mode))
     _attention_chain(static, layers, ref_caches, lengths, pos, cos_sin, rope_mode)  # the warm-up's writes
     for trial, lens in enumerate(([6, 71], [17, 64], [65, 129], [300, 1024])):
         lengths.copy_(torch.tensor(lens, dtype=torch.int32))
