@@ -284,8 +284,12 @@ extern "C" __global__ void __launch_bounds__(128)
 //   distributed shared memory (ld.shared::cluster: every thread issues all its loads at once, one round trip)
 //   and combines them in split order (the same arithmetic as the workspace path, so the same bits), and a
 //   second barrier keeps every block's shared memory alive until block 0 has read it. No fence, no counter,
-//   no workspace. Blocks past the row's end take part in both barriers (a cluster barrier counts every thread
-//   of every block) and exit.
+//   no workspace. Push mode, where block 0's range is one stage (short contexts, the common decode case) and the
+//   partials fit in the shared memory it leaves unused (Geom::PUSH_OFF): each other block stores its partial
+//   into block 0's shared memory (st.shared::cluster), arrives at the barrier and exits at once; block 0 waits
+//   there and combines from its own shared memory, with no remote round trip and no second barrier (docs/gpu.md
+//   step 25). Blocks past the row's end exit at once: a cluster barrier waits only for threads that have not
+//   exited (PTX ISA), and nothing reads their shared memory.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
 //   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
 //   token sits at p = lengths[b] - 1 (cache row b). Stage 0's copies go out before the PDL wait (they read
@@ -364,6 +368,12 @@ struct Geom {
     // combine keeps its weights in registers, so nothing else is written there until the second barrier)
     static constexpr int CL_O = WARPS * SLOTS * (D + 2), CL_ML = CL_O + SLOTS * D;
     static_assert((CL_ML + 2 * SLOTS) * 4 <= NBUF * BUF_BYTES, "cluster partials overflow the stage buffers");
+    // CL push mode: the other blocks' partials in block 0's shared memory, past everything block 0 itself writes
+    // when its range is one stage (stage buffer 0, the merge area and its own partial)
+    static constexpr int CL_END = (CL_ML + 2 * SLOTS) * 4;
+    static constexpr int PUSH_OFF = ((CL_END > BUF_BYTES ? CL_END : BUF_BYTES) + 15) / 16 * 16;
+    static constexpr int PUSH_BYTES = NBUF * BUF_BYTES - PUSH_OFF;
+    static_assert(PUSH_BYTES >= 2 * (D + 2) * 4, "no room for pushed partials");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -555,19 +565,19 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     const int tps = span_tiles > 0 ? span_tiles : max(1, (ntiles + S - 1) / S);
     const int n_act = len > 0 ? (ntiles + tps - 1) / tps : 1;  // an empty row: block 0 writes zeros
     attn_stamp(1);
-    if (split >= n_act) {  // whole block, before any barrier (CL: after the cluster's two)
-        if (CL) {
-            // RoPE mode: this block has not passed its wait and trigger yet (below). It now idles in the cluster's
-            // barriers until the cluster's end, and the dependents launch only once every block has triggered or
-            // exited: without this the next kernel (o_proj) could not start before attention ended.
-            if (qkv != nullptr) pdl_enter_attention(rows);
-            cluster_sync();
-            cluster_sync();
-        }
-        return;
-    }
+    // CL: nothing reads an idle block's shared memory, and the cluster's barriers wait only for threads that have
+    // not exited, so it leaves at once (its exit also counts as its PDL trigger)
+    if (split >= n_act) return;  // whole block, before any barrier
 
     const int slots = min(SLOTS, R - hg * SLOTS), head0 = kvh * R + hg * SLOTS;
+    // CL push mode, where block 0's range is one stage and the partials fit beside it: each other block stores its
+    // partial straight into block 0's shared memory (Geom::PUSH_OFF), arrives at the cluster barrier and exits;
+    // block 0 waits there and combines from its own shared memory. That saves the pull's DSMEM round trip and the
+    // second barrier, which kept every block until block 0 had read it. Phase 1, arrived at here, only says that
+    // every block has started (shared memory may be written remotely only then); phase 2 carries the partials.
+    const bool push = CL && n_act > 1 && min(tps * 16, len) <= STAGE &&
+                      (n_act - 1) * slots * (D + 2) * 4 <= G::PUSH_BYTES;  // the same in every block of the unit
+    if (push) cluster_arrive_relaxed();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const size_t row0 = ((size_t)b * Hkv + kvh) * L;
     float* wo = reinterpret_cast<float*>(smem);  // merge area [WARPS][SLOTS][D], then m, l [WARPS][SLOTS]
@@ -801,6 +811,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
         if (quant_static) q_out[o] = quantize_i8(__half2float(y), inv_static);
     };
+    if (push) cluster_wait_acquire();  // phase 1: block 0 has started (long since, by now)
     for (int e = tid; e < slots * D; e += THREADS) {
         const int h = e / D, d = e % D;
         float acc = 0.0f, l = 0.0f, m = -INFINITY;
@@ -816,6 +827,13 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         }
         if (n_act == 1) {
             emit(h, d, __float2half_rn(len > 0 ? acc / l : 0.0f));  // an empty row attends to nothing
+        } else if (CL && push && split > 0) {  // into block 0's slot for this split
+            float* slot = reinterpret_cast<float*>(smem + G::PUSH_OFF) + (split - 1) * slots * (D + 2);
+            st_cluster(slot + h * D + d, 0, acc);
+            if (d == 0) {
+                st_cluster(slot + slots * D + 2 * h, 0, m);
+                st_cluster(slot + slots * D + 2 * h + 1, 0, l);
+            }
         } else if (CL) {
             float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
             float* cl_ml = reinterpret_cast<float*>(smem) + G::CL_ML;
@@ -838,17 +856,36 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     // last block's fence and counter) or, CL, from block c's shared memory (after the cluster barrier)
     const float* cl_o = reinterpret_cast<const float*>(smem) + G::CL_O;
     const float* cl_ml = reinterpret_cast<const float*>(smem) + G::CL_ML;
+    // push mode: split c > 0 in block 0's slot c - 1 (O [slots][D], then (m, l) per slot); else block c's own
+    const float* pushed = reinterpret_cast<const float*>(smem + G::PUSH_OFF);
+    auto cl_part = [&](const float* own, int off, int c) {  // own: this block's partial, off: its index in a slot
+        if (!push) return ld_cluster(own, c);
+        return c == 0 ? *own : pushed[(c - 1) * slots * (D + 2) + off];
+    };
     auto part_m = [&](int h, int c) {
-        return CL ? ld_cluster(cl_ml + 2 * h, c) : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2);
+        return CL ? cl_part(cl_ml + 2 * h, slots * D + 2 * h, c)
+                  : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2);
     };
     auto part_l = [&](int h, int c) {
-        return CL ? ld_cluster(cl_ml + 2 * h + 1, c) : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2 + 1);
+        return CL ? cl_part(cl_ml + 2 * h + 1, slots * D + 2 * h + 1, c)
+                  : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2 + 1);
     };
     auto part_od = [&](int h, int d, int c) {
-        return CL ? ld_cluster(cl_o + h * D + d, c) : __ldcg(part_o + (((size_t)b * H + head0 + h) * S + c) * D + d);
+        return CL ? cl_part(cl_o + h * D + d, h * D + d, c)
+                  : __ldcg(part_o + (((size_t)b * H + head0 + h) * S + c) * D + d);
     };
     attn_stamp(5);
-    if (CL) cluster_sync();  // every block's partial is in its shared memory
+    if (push) {
+        cluster_arrive_release();  // phase 2: this block's partial is where block 0 reads it
+        if (split != 0) {
+            attn_stamp(6);
+            attn_stamp(7);
+            return;
+        }
+        cluster_wait_acquire();
+    } else if (CL && n_act > 1) {
+        cluster_sync();  // every block's partial is in its shared memory
+    }
     attn_stamp(6);
     if (CL && n_act > 1 && split == 0) {
         // Block 0 of the cluster. Each thread issues every remote load it needs at once (lane c's (m_c, l_c),
@@ -899,13 +936,15 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     } else if (n_act > 1 && !CL) {
         return;  // not the unit's last block
     }
-    if (CL) {
+    if (CL && !push && n_act > 1) {
         if (split == 0) attn_stamp(7);
         cluster_sync();  // block 0 has read every partial: the others may exit
         if (split != 0) {
             attn_stamp(7);
             return;
         }
+    } else if (push) {
+        attn_stamp(7);
     }
 
     // this block finished its unit's heads

@@ -217,5 +217,22 @@ __device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
     return remote;
 }
+// The two halves of cluster_sync, for a barrier phase that only says "every block has started" (relaxed: it orders
+// no memory) or whose waiters are a subset of the cluster. The wait counts only threads that have not exited
+// (PTX ISA, barrier.cluster), so a block may arrive and exit, or exit without arriving.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// A float into block `rank`'s shared memory at the address `p` has in this block.
+__device__ __forceinline__ void st_cluster(float* p, int rank, float v) {
+    const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+}
 
 }  // namespace fllama

@@ -5,6 +5,9 @@
 // embedding_fold_i32 / _i64(out, xg fp16 [T,H], part f32 [T,H/16], table, ids, w fp16 [H], int V, int H)
 // also write the first layer's deferred RMSNorm (norm_fold.cuh): xg = fp16(out * w) and the sums of out^2
 // per 16 channels (H % 16 == 0), for a decode step whose RMSNorms are folded into the GEMVs.
+// embedding_fold8_i32 / _i64(out, xg, part f32 [T,H/8], mx f32 [T,H/8], table, ids, w, int V, int H): the same
+// for an int8 q|k|v (norm_fold.py): sums per 8 channels and mx = max |xg| per 8, as the int8 GEMVs' Int8Fold
+// writes them, so layer 0's norm is a quantize_fold too (no rmsnorm_dyn: one block, ~6 us of an int8 step).
 // Every entry also takes (lengths, lens) int32 [T], both null or neither: a decode step's first kernel writes
 // lens = lengths + 1, the attention lengths of the step (a separate elementwise kernel cost the step ~2 us, as
 // it has no programmatic launch).
@@ -29,12 +32,13 @@ __device__ __forceinline__ void embedding_row(__half* __restrict__ out, const __
 }
 
 // Thread c of a pass holds channels [8c, 8c + 8); threads c and c ^ 1 (adjacent lanes) make one 16-channel
-// sum. Every thread runs every pass so that the shuffle sees whole warps.
+// sum. Every thread runs every pass so that the shuffle sees whole warps. mx non-null (int8): the thread's own
+// 8-channel sum and max |xg| instead.
 template <typename Id>
 __device__ __forceinline__ void embedding_fold_row(__half* __restrict__ out, __half* __restrict__ xg,
-                                                   float* __restrict__ part, const __half* __restrict__ table,
-                                                   const Id* __restrict__ ids, const __half* __restrict__ w, int V,
-                                                   int H) {
+                                                   float* __restrict__ part, float* __restrict__ mx,
+                                                   const __half* __restrict__ table, const Id* __restrict__ ids,
+                                                   const __half* __restrict__ w, int V, int H) {
     const size_t t = blockIdx.x;
     const long long id = (long long)ids[t];
     const bool valid = id >= 0 && id < V;
@@ -56,7 +60,12 @@ __device__ __forceinline__ void embedding_fold_row(__half* __restrict__ out, __h
                 const float f = half8_get(v, i);
                 sq = __fmaf_rn(f, f, sq);
             }
+            if (mx != nullptr) {
+                part[t * (H / 8) + c] = sq;
+                mx[t * (H / 8) + c] = half8_absmax(g);
+            }
         }
+        if (mx != nullptr) continue;  // block-uniform
         sq += __shfl_xor_sync(FULL_MASK, sq, 1);
         if (c < H / 8 && (c & 1) == 0) part[t * (H / 16) + c / 2] = sq;
     }
@@ -67,7 +76,7 @@ extern "C" __global__ void embedding_fold_i32(__half* out, __half* xg, float* pa
                                               int* lens) {
     pdl_enter();
     step_lengths(lengths, lens);
-    embedding_fold_row<int32_t>(out, xg, part, table, ids, w, V, H);
+    embedding_fold_row<int32_t>(out, xg, part, nullptr, table, ids, w, V, H);
 }
 
 extern "C" __global__ void embedding_fold_i64(__half* out, __half* xg, float* part, const __half* table,
@@ -75,7 +84,23 @@ extern "C" __global__ void embedding_fold_i64(__half* out, __half* xg, float* pa
                                               int* lens) {
     pdl_enter();
     step_lengths(lengths, lens);
-    embedding_fold_row<int64_t>(out, xg, part, table, ids, w, V, H);
+    embedding_fold_row<int64_t>(out, xg, part, nullptr, table, ids, w, V, H);
+}
+
+extern "C" __global__ void embedding_fold8_i32(__half* out, __half* xg, float* part, float* mx, const __half* table,
+                                               const int32_t* ids, const __half* w, int V, int H, const int* lengths,
+                                               int* lens) {
+    pdl_enter();
+    step_lengths(lengths, lens);
+    embedding_fold_row<int32_t>(out, xg, part, mx, table, ids, w, V, H);
+}
+
+extern "C" __global__ void embedding_fold8_i64(__half* out, __half* xg, float* part, float* mx, const __half* table,
+                                               const int64_t* ids, const __half* w, int V, int H, const int* lengths,
+                                               int* lens) {
+    pdl_enter();
+    step_lengths(lengths, lens);
+    embedding_fold_row<int64_t>(out, xg, part, mx, table, ids, w, V, H);
 }
 
 extern "C" __global__ void embedding_i32(__half* out, const __half* table, const int32_t* ids, int V, int H,

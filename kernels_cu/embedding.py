@@ -1,6 +1,7 @@
 """Embedding lookup (embedding.cu): rows of an fp16 table gathered by int32 or int64 token ids.
 An id outside [0, V) gives a zero row (the kernel cannot raise; the engine validates ids on the host).
-`embedding_fold` also writes the first layer's deferred RMSNorm (norm_fold.py) for a folded decode step."""
+`embedding_fold` also writes the first layer's deferred RMSNorm (norm_fold.py) for a folded decode step, in the
+form an fp16 / AWQ GEMV takes it or (int8) the one quantize_fold takes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kernels_cu.norm_fold import FoldOut, check_out
 
 SIGNATURE = "PPPiiPP"  # out, table, ids, V, H, lengths, lens
 FOLD_SIGNATURE = "PPPPPPiiPP"  # out, xg, part, table, ids, w, V, H, lengths, lens
+FOLD8_SIGNATURE = "PPPPPPPiiPP"  # out, xg, part, mx, table, ids, w, V, H, lengths, lens
 THREADS = 128
 
 
@@ -36,15 +38,19 @@ def embedding(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None =
 
 
 def embedding_fold(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                   step_lens: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, FoldOut]:
-    """The lookup, plus the deferred RMSNorm of its rows with weight w [H]: (h fp16 [T, H], FoldOut);
-    step_lens as in `embedding`."""
+                   step_lens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   int8: bool = False) -> tuple[torch.Tensor, FoldOut]:
+    """The lookup, plus the deferred RMSNorm of its rows with weight w [H]: (h fp16 [T, H], FoldOut); int8: the
+    FoldOut of an int8 consumer (sums and maxima per 8 channels, for quantize_fold); step_lens as in `embedding`."""
     V, H, T = _check(table, ids)
     out = out_or_new(out, (T, H), torch.float16, table, "out")
-    fold = FoldOut.new(w, T)
-    check_out(fold, T, H)
+    fold = FoldOut.new(w, T, int8)
+    check_out(fold, T, H, int8)
     lengths, lens = _step_lens(step_lens, T)
-    if T:
+    if T and int8:
+        build.get_function("embedding.cu", f"embedding_fold8_{_id_type(ids)}", FOLD8_SIGNATURE)(
+            (T,), (_threads(H),), out, fold.xg, fold.part, fold.mx, table, ids, w, V, H, lengths, lens)
+    elif T:
         build.get_function("embedding.cu", f"embedding_fold_{_id_type(ids)}", FOLD_SIGNATURE)(
             (T,), (_threads(H),), out, fold.xg, fold.part, table, ids, w, V, H, lengths, lens)
     return out, fold

@@ -63,8 +63,8 @@ DEFER_ATTENTION = True
 DEFER_SWIGLU = True
 # An int8 decode step (up to DECODE_MAX_M rows) defers its RMSNorms too (EngineConfig.fold_norms): o_proj and
 # down_proj write the next norm's xg, sums and maxima (norm_fold.py), and quantize_fold, spread over blocks,
-# quantizes xg for q|k|v / gate|up instead of rmsnorm_quant's one block per row (layer 0's input norm and the
-# final norm stay rmsnorm kernels). Switch for A/B runs.
+# quantizes xg for q|k|v / gate|up instead of rmsnorm_quant's one block per row (the embedding writes layer 0's, as
+# for fp16 / AWQ; the final norm stays an rmsnorm kernel). Switch for A/B runs.
 FOLD_INT8 = True
 # Up to QUANT_FOLD_EARLY_ROWS rows the int8 decode step's quantize_fold kernels let the GEMV after them (q|k|v,
 # gate|up, down) launch before their own wait (quantize_fold(early=True)), so that the GEMV's weight prefetch runs
@@ -456,7 +456,8 @@ class Engine:
         defer: an int8 decode step whose down_proj quantizes its input (_defers_quant): the gate|up GEMV applies
         the SwiGLU. attend(...) may return a DeferredQuant for o_proj likewise.
         int8_fold: an int8 decode step that defers its norms (_folds_int8): o_proj and down_proj write the
-        ffn_norm's and the next layer's attn_norm's inputs (layer 0's attn_norm and the final norm run as kernels)."""
+        ffn_norm's and the next layer's attn_norm's inputs (the embedding writes layer 0's; the final norm runs as a
+        kernel)."""
         c, L = self.config, self.layers[i]
         T = h.shape[0]
         x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
@@ -653,8 +654,9 @@ class Engine:
         defer = self._defers_quant(cache.bucket)
         defer_o, defer_down = defer and DEFER_ATTENTION, defer and DEFER_SWIGLU
         int8_fold = self._folds_int8(cache.bucket)
-        if self._folds(cache.bucket):  # RMSNorms deferred into the GEMVs (norm_fold.py)
-            h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm, step_lens=step_lens)  # [Bb, H]
+        if self._folds(cache.bucket) or int8_fold:  # RMSNorms deferred into the GEMVs (norm_fold.py)
+            h, fold = embedding_fold(self.embed, st["tokens"], self.layers[0].attn_norm, step_lens=step_lens,
+                                     int8=int8_fold)  # [Bb, H]
         else:
             h = embedding(self.embed, st["tokens"], step_lens=step_lens)  # [Bb, H]
 

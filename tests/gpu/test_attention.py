@@ -486,6 +486,10 @@ def test_prefill_last_query_equals_decode():
     (64, False, 64, 4, [1, 3000, 0, 1499]),   # GQA 16 (two head groups), an empty row, n_act from 1 to S
     (64, True, 36, 12, [17, 1024, 33]),       # GQA 3
     (128, False, 32, 8, [2049, 16, 700]),     # GQA 4
+    # GQA 8, one stage a block (32 units: S <= 16, clusters): partials pushed into block 0 (100, 40) or, too many
+    # for its free shared memory, pulled (520, 300); the int8 cache's push area is smaller (60, 17, 33 / 100)
+    (128, False, 64, 8, [100, 520, 40, 300]),
+    (128, True, 64, 8, [60, 100, 17, 33]),
 ])
 def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, lengths, monkeypatch):
     """The cluster entries combine the same partials in the same order: at the split count the launcher picks

@@ -13,6 +13,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, po
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
+from kernels_cu.embedding import embedding, embedding_fold  # noqa: E402
 from kernels_cu.int8_gemm import (DeferredQuant, int8_gemm, int8_gemm_deferred, int8_gemm_ref,  # noqa: E402
                                   int8_swiglu)
 from kernels_cu.norm_fold import INT8_CHANNELS, FoldOut, fold_out_ref, rstd_ref  # noqa: E402
@@ -147,6 +148,23 @@ def test_int8_gemv_writes_the_deferred_norm(M):
     xg, part = fold_out_ref(y, fold.w, INT8_CHANNELS)
     assert_equal(fold.xg, xg, "xg")
     assert_equal(fold.mx, xg.float().abs().reshape(M, N // 8, 8).amax(-1), "maxima of |xg|")
+    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
+
+
+@pytest.mark.parametrize("H", [576, 4096])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_embedding_writes_the_int8_deferred_norm(H, id_dtype):
+    """embedding_fold(int8=True), layer 0's producer: the rows exact (zero for ids out of range), xg torch's fp16
+    h * w, the maxima of |xg| per 8 channels exact, the sums of h^2 per 8 channels within fp32 summation error."""
+    table = randn(300, H, scale=2.0, seed=H)
+    ids = torch.tensor([5, 299, -1, 0, 300, 17], dtype=id_dtype, device="cuda")  # -1, 300: out of range
+    out, fold = embedding_fold(table, ids, norm_weight(H, seed=H), int8=True)
+    T = ids.shape[0]
+    assert fold.int8 and fold.part.shape == fold.mx.shape == (T, H // INT8_CHANNELS)
+    assert_equal(out, embedding(table, ids), "rows")
+    xg, part = fold_out_ref(out, fold.w, INT8_CHANNELS)
+    assert_equal(fold.xg, xg, "xg")
+    assert_equal(fold.mx, xg.float().abs().reshape(T, H // 8, 8).amax(-1), "maxima of |xg|")
     compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
 
 
