@@ -71,48 +71,28 @@ __device__ __forceinline__ void embedding_fold_row(__half* __restrict__ out, __h
     }
 }
 
-extern "C" __global__ void embedding_fold_i32(__half* out, __half* xg, float* part, const __half* table,
-                                              const int32_t* ids, const __half* w, int V, int H, const int* lengths,
-                                              int* lens) {
-    pdl_enter();
-    step_lengths(lengths, lens);
-    embedding_fold_row<int32_t>(out, xg, part, nullptr, table, ids, w, V, H);
-}
+// The entries for one id type: ID int32_t or int64_t, SUFFIX i32 or i64.
+#define FLLAMA_EMBEDDING_ENTRIES(SUFFIX, ID)                                                                    \
+    extern "C" __global__ void embedding_##SUFFIX(__half* out, const __half* table, const ID* ids, int V, int H,  \
+                                                  const int* lengths, int* lens) {                              \
+        pdl_enter();                                                                                            \
+        step_lengths(lengths, lens);                                                                            \
+        embedding_row<ID>(out, table, ids, V, H);                                                               \
+    }                                                                                                           \
+    extern "C" __global__ void embedding_fold_##SUFFIX(__half* out, __half* xg, float* part, const __half* table, \
+                                                       const ID* ids, const __half* w, int V, int H,            \
+                                                       const int* lengths, int* lens) {                         \
+        pdl_enter();                                                                                            \
+        step_lengths(lengths, lens);                                                                            \
+        embedding_fold_row<ID>(out, xg, part, nullptr, table, ids, w, V, H);                                    \
+    }                                                                                                           \
+    extern "C" __global__ void embedding_fold8_##SUFFIX(__half* out, __half* xg, float* part, float* mx,         \
+                                                        const __half* table, const ID* ids, const __half* w,    \
+                                                        int V, int H, const int* lengths, int* lens) {          \
+        pdl_enter();                                                                                            \
+        step_lengths(lengths, lens);                                                                            \
+        embedding_fold_row<ID>(out, xg, part, mx, table, ids, w, V, H);                                         \
+    }
 
-extern "C" __global__ void embedding_fold_i64(__half* out, __half* xg, float* part, const __half* table,
-                                              const int64_t* ids, const __half* w, int V, int H, const int* lengths,
-                                              int* lens) {
-    pdl_enter();
-    step_lengths(lengths, lens);
-    embedding_fold_row<int64_t>(out, xg, part, nullptr, table, ids, w, V, H);
-}
-
-extern "C" __global__ void embedding_fold8_i32(__half* out, __half* xg, float* part, float* mx, const __half* table,
-                                               const int32_t* ids, const __half* w, int V, int H, const int* lengths,
-                                               int* lens) {
-    pdl_enter();
-    step_lengths(lengths, lens);
-    embedding_fold_row<int32_t>(out, xg, part, mx, table, ids, w, V, H);
-}
-
-extern "C" __global__ void embedding_fold8_i64(__half* out, __half* xg, float* part, float* mx, const __half* table,
-                                               const int64_t* ids, const __half* w, int V, int H, const int* lengths,
-                                               int* lens) {
-    pdl_enter();
-    step_lengths(lengths, lens);
-    embedding_fold_row<int64_t>(out, xg, part, mx, table, ids, w, V, H);
-}
-
-extern "C" __global__ void embedding_i32(__half* out, const __half* table, const int32_t* ids, int V, int H,
-                                         const int* lengths, int* lens) {
-    pdl_enter();
-    step_lengths(lengths, lens);
-    embedding_row<int32_t>(out, table, ids, V, H);
-}
-
-extern "C" __global__ void embedding_i64(__half* out, const __half* table, const int64_t* ids, int V, int H,
-                                         const int* lengths, int* lens) {
-    pdl_enter();
-    step_lengths(lengths, lens);
-    embedding_row<int64_t>(out, table, ids, V, H);
-}
+FLLAMA_EMBEDDING_ENTRIES(i32, int32_t)
+FLLAMA_EMBEDDING_ENTRIES(i64, int64_t)

@@ -47,12 +47,11 @@ def embedding_fold(table: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out:
     fold = FoldOut.new(w, T, int8)
     check_out(fold, T, H, int8)
     lengths, lens = _step_lens(step_lens, T)
-    if T and int8:
-        build.get_function("embedding.cu", f"embedding_fold8_{_id_type(ids)}", FOLD8_SIGNATURE)(
-            (T,), (_threads(H),), out, fold.xg, fold.part, fold.mx, table, ids, w, V, H, lengths, lens)
-    elif T:
-        build.get_function("embedding.cu", f"embedding_fold_{_id_type(ids)}", FOLD_SIGNATURE)(
-            (T,), (_threads(H),), out, fold.xg, fold.part, table, ids, w, V, H, lengths, lens)
+    entry, signature, parts = ("fold8", FOLD8_SIGNATURE, (fold.part, fold.mx)) if int8 else \
+        ("fold", FOLD_SIGNATURE, (fold.part,))
+    if T:
+        build.get_function("embedding.cu", f"embedding_{entry}_{_id_type(ids)}", signature)(
+            (T,), (_threads(H),), out, fold.xg, *parts, table, ids, w, V, H, lengths, lens)
     return out, fold
 
 

@@ -44,7 +44,7 @@ ENTRY_POINTS = {
                      for e in ("plain", "res", "silu")],
     "int8_wgmma.cu": ["int8_wgmma", "int8_wgmma_res"],
     "awq_wgmma.cu": ["awq_wgmma_plain", "awq_wgmma_res", "awq_wgmma_silu"],
-    "embedding.cu": ["embedding_i32", "embedding_i64", "embedding_fold_i32", "embedding_fold_i64"],
+    "embedding.cu": [f"embedding{v}_{t}" for v in ("", "_fold", "_fold8") for t in ("i32", "i64")],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
     "sampling.cu": ["sample_f16", "sample_f32"],
 }

@@ -63,6 +63,7 @@ def main() -> None:
                 awq_batch_gemm(xm, ap, residual=r(M, F), splits=3)  # K split: partials, counters, last block
                 if M <= 8:  # the deferred RMSNorm: producers (residual GEMVs, embedding), then consumers
                     _, fe = embedding_fold(r(V, H), torch.randint(0, V, (M,), device=dev), r(H))
+                    embedding_fold(r(V, H), torch.randint(0, V, (M,), device=dev), r(H), int8=True)
                     fp16_linear(fe.xg, wd, fold_in=fe.consumer(1e-5))
                     fp16_swiglu(fe.xg, r(2 * F, H), fold_in=fe.consumer(1e-5))
                     awq_linear(fe.xg, ap, fold_in=fe.consumer(1e-5))
