@@ -116,6 +116,16 @@ def norm_weight(n: int, seed: int) -> torch.Tensor:
     return (randn(n, seed=seed) * 0.3 + 1.0).half()
 
 
+def check_int8_fold(fold: FoldOut, h: torch.Tensor, what: str) -> None:
+    """What an int8 producer writes for the next norm: xg torch's fp16 h * w, the maxima of |xg| per 8 channels
+    exact, the sums of h^2 per 8 channels within fp32 summation error."""
+    M, N = h.shape
+    xg, part = fold_out_ref(h, fold.w, INT8_CHANNELS)
+    assert_equal(fold.xg, xg, f"{what}: xg")
+    assert_equal(fold.mx, xg.float().abs().reshape(M, N // 8, 8).amax(-1), f"{what}: maxima of |xg|")
+    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what=f"{what}: sums of h^2")
+
+
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (4096, 12288), (512, 1088)])
 def test_int8_producer_writes_the_deferred_norm(M, K, N):
@@ -128,10 +138,7 @@ def test_int8_producer_writes_the_deferred_norm(M, K, N):
     poison(fold.xg, fold.part, fold.mx)
     y = int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=fold)
     assert_equal(y, int8_gemm_deferred(xq, qweight, w_scale, residual=res), f"h M={M} K={K} N={N}")
-    xg, part = fold_out_ref(y, fold.w, INT8_CHANNELS)
-    assert_equal(fold.xg, xg, "xg")
-    assert_equal(fold.mx, xg.float().abs().reshape(M, N // 8, 8).amax(-1), "maxima of |xg|")
-    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
+    check_int8_fold(fold, y, f"M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 9, 16])
@@ -145,10 +152,7 @@ def test_int8_gemv_writes_the_deferred_norm(M):
     poison(fold.xg, fold.part, fold.mx)
     y = int8_gemm(q_x, a_scale, qweight, w_scale, residual=res, fold_out=fold)
     assert_equal(y, int8_gemm(q_x, a_scale, qweight, w_scale, residual=res), f"h M={M}")
-    xg, part = fold_out_ref(y, fold.w, INT8_CHANNELS)
-    assert_equal(fold.xg, xg, "xg")
-    assert_equal(fold.mx, xg.float().abs().reshape(M, N // 8, 8).amax(-1), "maxima of |xg|")
-    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
+    check_int8_fold(fold, y, f"M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("H", [576, 4096])
@@ -162,10 +166,7 @@ def test_embedding_writes_the_int8_deferred_norm(H, id_dtype):
     T = ids.shape[0]
     assert fold.int8 and fold.part.shape == fold.mx.shape == (T, H // INT8_CHANNELS)
     assert_equal(out, embedding(table, ids), "rows")
-    xg, part = fold_out_ref(out, fold.w, INT8_CHANNELS)
-    assert_equal(fold.xg, xg, "xg")
-    assert_equal(fold.mx, xg.float().abs().reshape(T, H // 8, 8).amax(-1), "maxima of |xg|")
-    compare(fold.part, part, rtol=1e-5, atol=1e-6 * float(part.abs().max()), what="sums of h^2")
+    check_int8_fold(fold, out, f"H={H}")
 
 
 @pytest.mark.parametrize("T,K", [(1, 4096), (1, 11008), (3, 576), (8, 4096), (2, 1032)])
