@@ -29,6 +29,7 @@ using namespace fllama;
 constexpr int SAMPLE_THREADS = 1024;
 constexpr int MAX_K = 1024;
 constexpr int CAND_CAP = 2048;
+constexpr int EOS_EARLY = 4;  // end-of-sequence ids read before the PDL wait (more are read after it)
 
 // ---------------------------------------------------------------- Philox-4x32-10
 
@@ -150,7 +151,9 @@ template <typename T, typename F>
 __device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
     constexpr int PER_VEC = 16 / sizeof(T);  // tokens per 16-byte load
     constexpr int VECS = 8 / PER_VEC;         // 16-byte loads per chunk
-    constexpr int U = 2;  // chunks in flight per thread (8 or 16 registers of raw logits)
+    // chunks in flight per thread (16 registers of raw logits): fp16 4, so that V = 32000 at 1024 threads is one
+    // round of loads (two with 2, one L2 round trip more in every decode step); fp32 2
+    constexpr int U = sizeof(T) == 2 ? 4 : 2;
     const int chunks = (V + 7) / 8;
     // the 16-byte loads need every row start aligned: V % 8 == 0 (else one load per token, still U chunks at once)
     const bool vec = V % 8 == 0;
@@ -191,6 +194,8 @@ struct Shared {
     float incl[SAMPLE_THREADS];
     int n_cand;
     int pick;
+    int eos[EOS_EARLY];  // thread 0's, from before the wait (shared memory: no registers held through the row)
+    int new_length;
     uint32_t digit;
     int remaining;
     bool done;
@@ -227,18 +232,22 @@ __device__ void choose_digit(Shared& sh) {
     }
 }
 
-// The decode step's bookkeeping for row b (thread 0), once its token is known.
+// The decode step's bookkeeping for row b (thread 0), once its token is known. load() runs before the PDL wait:
+// lengths and active are written only by earlier steps' sampling and the host, never by the kernels this one may
+// overlap, and reading them there keeps two L2 round trips off the step's last kernel.
 struct StepOut {
     int* next_ids;
     int* lengths;
     const int* active;
 
-    __device__ __forceinline__ void write(int b, int token) const {
+    __device__ __forceinline__ int new_length(int b) const { return next_ids != nullptr ? lengths[b] + active[b] : 0; }
+    __device__ __forceinline__ void write(int b, int token, int new_len) const {
         if (next_ids == nullptr) return;
         next_ids[b] = token;
-        lengths[b] += active[b];
+        lengths[b] = new_len;
     }
 };
+
 
 template <typename T>
 __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, int* __restrict__ finished,
@@ -247,18 +256,29 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
                            StepOut step) {
     __shared__ Shared sh;
     const int b = blockIdx.x, tid = threadIdx.x;
-    if (finished[b]) {
+    // Before the PDL wait, the row's state: only earlier launches of this kernel (their steps long complete) and
+    // the host write finished, params, rng, eos_ids and the step's lengths / active, so only the logits, which
+    // the kernel before this one writes, wait. In a decode step that is four L2 round trips fewer after the
+    // lm_head GEMV.
+    const int is_finished = finished[b];
+    const float temperature = params[4 * b], top_p = params[4 * b + 2], penalty = params[4 * b + 3];
+    const int top_k = min(max(__float2int_rn(params[4 * b + 1]), 0), MAX_K);
+    const unsigned long long seed = (unsigned long long)rng[0];
+    const unsigned long long counter = (unsigned long long)rng[1 + b];
+    if (tid == 0) {  // thread 0 alone writes and reads these
+#pragma unroll
+        for (int i = 0; i < EOS_EARLY; ++i) sh.eos[i] = i < n_eos ? eos_ids[i] : eos_ids[0];
+        sh.new_length = step.new_length(b);
+    }
+    pdl_enter();
+    if (is_finished) {
         if (tid == 0) {
-            out[b] = eos_ids[0];
-            step.write(b, eos_ids[0]);
+            out[b] = sh.eos[0];
+            step.write(b, sh.eos[0], sh.new_length);
         }
         return;
     }
-    const float temperature = params[4 * b], top_p = params[4 * b + 2], penalty = params[4 * b + 3];
-    const int top_k = min(max(__float2int_rn(params[4 * b + 1]), 0), MAX_K);
     Row<T> row{logits + (size_t)b * V, seen + (size_t)b * V, penalty, temperature, false};
-    const unsigned long long seed = (unsigned long long)rng[0];
-    const unsigned long long counter = (unsigned long long)rng[1 + b];
     int token;
 
     // max (and argmax, the greedy answer and the fallback of the draws)
@@ -421,23 +441,24 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     if (tid == 0) {
         out[b] = token;
         seen[(size_t)b * V + token] = 1;
-        for (int i = 0; i < n_eos; ++i)
-            if (eos_ids[i] == token) finished[b] = 1;
+        bool eos_hit = false;
+#pragma unroll
+        for (int i = 0; i < EOS_EARLY; ++i) eos_hit |= sh.eos[i] == token;  // (ids past n_eos repeat id 0)
+        for (int i = EOS_EARLY; i < n_eos; ++i) eos_hit |= eos_ids[i] == token;
+        if (eos_hit) finished[b] = 1;
         rng[1 + b] = (long long)(counter + 1);
-        step.write(b, token);
+        step.write(b, token, sh.new_length);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f16(int* out, uint8_t* seen, int* finished, long long* rng, const __half* logits, const float* params,
                const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active) {
-    pdl_enter();
     sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active});
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(int* out, uint8_t* seen, int* finished, long long* rng, const float* logits, const float* params,
                const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active) {
-    pdl_enter();
     sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active});
 }

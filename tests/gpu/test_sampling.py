@@ -153,6 +153,21 @@ def test_finished_rows_stay_finished_and_output_eos():
     assert int(s.rng[2]) == int(rng_before[2]) and torch.equal(s.seen[1], seen_before[1])
 
 
+def test_every_eos_id_finishes_a_row():
+    """Six eos ids: the first four are read before the kernel's PDL wait, the rest after it; a row that samples
+    any of them finishes, and a finished row feeds eos_ids[0]."""
+    V, eos = 1000, [2, 3, 4, 5, 6, 7]
+    logits = randn(3, V, seed=5, dtype=torch.float16)
+    logits[:, eos] = -60.0
+    logits[0, 7] = 60.0  # the sixth id
+    logits[1, 3] = 60.0  # the second
+    s = GpuSampler(3, V, eos, config=SamplingConfig(temperature=0.0))
+    first = s.sample(logits).tolist()
+    assert first[:2] == [7, 3] and first[2] not in eos
+    assert s.finished.tolist() == [1, 1, 0]
+    assert s.sample(logits).tolist()[:2] == [2, 2]
+
+
 def test_rng_advances_and_reseeding_repeats():
     V, B = 1000, 64
     logits = randn(1, V, scale=0.5, seed=3, dtype=torch.float32).repeat(B, 1)
