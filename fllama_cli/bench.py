@@ -45,6 +45,7 @@ def bench_cmd(
     pdl: Annotated[Optional[bool], typer.Option("--pdl/--no-pdl", help="Programmatic dependent launch on Hopper (each kernel starts while the previous one finishes; on unless FLLAMA_PDL=0); --no-pdl to compare.")] = None,
     fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Small-batch decode (fp16 up to 8 rows, awq up to 4, int8 up to 16): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
     fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
+    kv_int8: Annotated[bool, typer.Option("--kv-int8", help="The engine's int8 KV cache (as generate / chat --kv-int8): half the cache bytes each decode step reads; the floor counts them. The baseline keeps fp16.")] = False,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     json_out: JsonOpt = False,
@@ -92,7 +93,7 @@ def bench_cmd(
                 raise ConfigError(f"{loaded.source} is a {weights.meta.get('scheme')} checkpoint; give --scheme "
                                   f"{weights.meta.get('scheme')} or use --random for other schemes")
         engine = Engine(weights, EngineConfig(max_len=prompt_len + gen_len + 1, fold_norms=fold_norms,
-                                                 fuse_rope=fuse_rope))
+                                                 fuse_rope=fuse_rope, kv_int8=kv_int8))
         for b in cfg.batches:
             err.print(f"[dim]engine {s} batch {b} ...[/]")
             rows.append({"scheme": s, **bench_engine(engine, b, cfg, bw)})
@@ -117,7 +118,7 @@ def bench_cmd(
             "model": source or "llama2-7b", "random": random, "copy_bandwidth_tb_s": bw / 1e12,
             "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows,
             "programmatic_launch": pdl_supported(), "fold_norms": fold_norms,
-            "fuse_rope": fuse_rope}
+            "fuse_rope": fuse_rope, "kv_int8": kv_int8}
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:
@@ -150,7 +151,7 @@ def _cells(r: dict) -> list[str]:
 def _table(rows: list[dict], meta: dict) -> Table:
     t = Table(title=f"fllama bench · {meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · "
                     f"copy {meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} gen {meta['gen_len']} · "
-                    f"PDL {'on' if meta['programmatic_launch'] else 'off'}")
+                    f"PDL {'on' if meta['programmatic_launch'] else 'off'}{' · KV int8' if meta['kv_int8'] else ''}")
     for _, title, _ in COLUMNS:
         t.add_column(title, justify="right")
     for r in rows:
@@ -166,6 +167,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
                    f"{v.get('compile_s', 0):.0f} |\n" for b, v in meta["baseline"].items())
     return (f"{meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · copy bandwidth "
             f"{meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} · gen {meta['gen_len']} · "
-            f"repeat {meta['repeat']} · programmatic launch {'on' if meta['programmatic_launch'] else 'off'}\n\n" + head + body +
+            f"repeat {meta['repeat']} · programmatic launch {'on' if meta['programmatic_launch'] else 'off'}"
+            f"{' · KV cache int8' if meta['kv_int8'] else ''}\n\n" + head + body +
             ("\nBaseline (torch.compile, mode=reduce-overhead, fp16):\n\n| batch | prefill tok/s | decode tok/s | "
              "ms/step | compile s |\n|---|---|---|---|---|\n" + base if base else ""))

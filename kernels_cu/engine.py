@@ -360,10 +360,14 @@ class Engine:
             n += sum(op.nbytes() for op in (l.qkv, l.o, l.gate_up, l.down))
         return n
 
-    def kv_bytes(self, batch: int, max_len: int) -> int:
+    def kv_position_bytes(self) -> int:
+        """Bytes of one position of one row's K and V over all layers and KV heads."""
         c = self.config
-        per_position = c.head_dim + 4 if self.cfg.kv_int8 else c.head_dim * 2  # int8 codes + an fp32 scale
-        return 2 * c.n_layers * batch * c.n_kv_heads * (max_len + 1) * per_position
+        per_head = c.head_dim + 4 if self.cfg.kv_int8 else c.head_dim * 2  # int8 codes + an fp32 scale
+        return 2 * c.n_layers * c.n_kv_heads * per_head
+
+    def kv_bytes(self, batch: int, max_len: int) -> int:
+        return batch * (max_len + 1) * self.kv_position_bytes()
 
     def memory_report(self) -> dict:
         caches = {f"{b}{'-scratch' if s else ''}": self.kv_bytes(b, c.capacity) for (b, s), c in self._caches.items()}
