@@ -2,7 +2,7 @@
 
     python -m kernels_cu.engine_ab --switch fold_norms --scheme awq,fp16 --batch 1,8 --rounds 2
     python -m kernels_cu.engine_ab --switch attention_decode.CLUSTERS   # a kernels_cu module's boolean
-    python -m kernels_cu.engine_ab --switch engine.O_PREFETCH --values 0,0.25,0.5   # a module number, swept
+    python -m kernels_cu.engine_ab --switch engine.QUANT_FOLD_EARLY_ROWS --values 8,4,1   # a module number, swept
 
 Separate `fllama bench` processes differ by a few percent from run to run (clocks, copy bandwidth); one engine
 per scheme, its decode graphs re-captured at each switch, and the order A B A B ... keep the comparison to

@@ -271,18 +271,18 @@ def test_engine_ab_switches_a_module_boolean(monkeypatch):
 
 
 def test_engine_ab_sweeps_a_module_number(monkeypatch):
-    """`--switch engine.O_PREFETCH --values 0,0.25`: a module's number, swept; a boolean or an EngineConfig field is
-    refused for a sweep, and the gains are against the first value."""
+    """`--switch engine.QUANT_FOLD_EARLY_ROWS --values 8,4,1`: a module's number, swept; a boolean or an
+    EngineConfig field is refused for a sweep, and the gains are against the first value."""
     from kernels_cu import engine
     from kernels_cu.engine_ab import check_switch, format_runs, parse_values
 
-    monkeypatch.setattr(engine, "O_PREFETCH", 0.25)
-    check_switch("engine.O_PREFETCH", set(), numeric=True)
+    monkeypatch.setattr(engine, "QUANT_FOLD_EARLY_ROWS", 8)
+    check_switch("engine.QUANT_FOLD_EARLY_ROWS", set(), numeric=True)
     for bad, msg in [("engine.FOLD_INT8", "is not a number"), ("fold_norms", "module's number")]:
         with pytest.raises(SystemExit, match=msg):
             check_switch(bad, {"fold_norms"}, numeric=True)
     with pytest.raises(SystemExit, match="is not a boolean"):
-        check_switch("engine.O_PREFETCH", set())
+        check_switch("engine.QUANT_FOLD_EARLY_ROWS", set())
     assert parse_values("0,0.25,0.5") == [0.0, 0.25, 0.5]
     for bad in ("0", "a,b"):
         with pytest.raises(SystemExit):
