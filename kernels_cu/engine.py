@@ -61,6 +61,11 @@ FOLD_MAX_ROWS = {"fp16": 8, "awq": 4}
 # Module switches for A/B runs (engine_ab --switch engine.DEFER_SWIGLU).
 DEFER_ATTENTION = True
 DEFER_SWIGLU = True
+# Where down_proj quantizes its input and quantize_fold feeds gate|up (an int8 step with both deferrals): the SwiGLU
+# GEMV also writes each row's max itself (an atomic max into a buffer the quantize_fold before it clears), so
+# down_proj's 256 blocks each read one float instead of 1,376 partial maxima (5.5 KB from the same L2 lines at
+# once). Switch for A/B runs.
+SWIGLU_ROW_AMAX = True
 # An int8 decode step (up to DECODE_MAX_M rows) defers its RMSNorms too (EngineConfig.fold_norms): o_proj and
 # down_proj write the next norm's xg, sums and maxima (norm_fold.py), and quantize_fold, spread over blocks,
 # quantizes xg for q|k|v / gate|up instead of rmsnorm_quant's one block per row (the embedding writes layer 0's, as
@@ -211,10 +216,11 @@ class Int8Op:
             return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual, fold_out=fold_out)
         return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual, fold_out=fold_out)
 
-    def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor]) -> DeferredQuant:
+    def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor],
+                        row_amax: torch.Tensor | None = None) -> DeferredQuant:
         """A gate|up op (gate rows, then up rows) on a few rows: silu(gate) * up in fp16 with its row maxima,
-        for a down_proj that quantizes its input itself."""
-        return int8_swiglu(xq[0], xq[1], self.qweight, self.w_scale)
+        for a down_proj that quantizes its input itself (row_amax: int8_swiglu's)."""
+        return int8_swiglu(xq[0], xq[1], self.qweight, self.w_scale, row_amax)
 
     def folds(self, m: int) -> bool:
         return False
@@ -415,13 +421,17 @@ class Engine:
         return GpuCache(k=k, v=v, lengths=lengths, max_len=cap, batch=bucket, k_scale=scales[0], v_scale=scales[1])
 
     # -- the layer ---------------------------------------------------------------------------------------
-    def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any, fold: FoldOut | None) -> tuple[Any, FoldIn | None]:
+    def _norm_in(self, h: torch.Tensor, w: torch.Tensor, op: Any, fold: FoldOut | None,
+                 zero: torch.Tensor | None = None) -> tuple[Any, FoldIn | None]:
         """op's input after the RMSNorm with weight w and how op takes it: the norm kernel's output (+ int8
         quantization for an int8 op) and None, or, when a producer deferred this norm (fold), its xg and FoldIn
-        (for an int8 op: xg quantized by quantize_fold, and None)."""
+        (for an int8 op: xg quantized by quantize_fold, and None; zero: a buffer that kernel clears for op)."""
         eps = self.config.norm_eps
         if fold is not None and fold.int8:  # xg quantized from the producer's maxima and sums (no norm kernel)
-            return quantize_fold(fold.xg, fold.mx, fold.part, eps, op.amax, early=_early_fold(h.shape[0])), None
+            return quantize_fold(fold.xg, fold.mx, fold.part, eps, op.amax, early=_early_fold(h.shape[0]),
+                                 zero=zero), None
+        if zero is not None:
+            raise DeviceError("a row-max buffer is cleared by the int8 deferred norm's quantize_fold only")
         if fold is not None:
             return fold.xg, fold.consumer(eps)
         return (rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)), None
@@ -472,11 +482,13 @@ class Engine:
         folding = fold is not None or int8_fold
         ffn = FoldOut.new(L.ffn_norm, T, int8_fold) if folding else None
         h = L.o(o, residual=h, fold_out=ffn)  # [T, H]
-        x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn)
+        # [T] the SwiGLU GEMV's row maxima, cleared by the quantize_fold before it (SWIGLU_ROW_AMAX)
+        row_amax = cache.static["row_amax"] if defer and int8_fold and SWIGLU_ROW_AMAX else None
+        x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn, zero=row_amax)
         if L.gate_up.swiglu:
             a = L.gate_up(x, fold_in=fold_in)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
         elif defer:
-            a = L.gate_up.swiglu_deferred(x)  # DeferredQuant: silu(gate) * up [T, F] and its row maxima
+            a = L.gate_up.swiglu_deferred(x, row_amax)  # DeferredQuant: silu(gate) * up [T, F] and its row maxima
         elif L.gate_up.int8 and L.down.int8 and T <= SWIGLU_INT8_ROWS and SWIGLU_INT8_GEMV:
             d = L.gate_up.swiglu_deferred(x)  # the GEMV's SwiGLU epilogue and its maxima per 8 channels
             a = quantize_fold(d.x, d.part, None, 0.0, L.down.amax, early=_early_fold(T))  # silu_mul_quant's bits
@@ -613,7 +625,9 @@ class Engine:
                                 "active": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device),
                                 "row": torch.arange(cache.bucket, dtype=torch.int32, device=self._device),
                                 # attention's lengths (lengths + 1), written by the step's embedding kernel
-                                "lens": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device)}
+                                "lens": torch.zeros(cache.bucket, dtype=torch.int32, device=self._device),
+                                # the int8 SwiGLU GEMV's row maxima (SWIGLU_ROW_AMAX)
+                                "row_amax": torch.zeros(cache.bucket, dtype=torch.float32, device=self._device)}
             st = cache.static
             st["tokens"][idx] = tokens.to(self._device, torch.int32)
             st["active"].zero_()

@@ -42,6 +42,7 @@ struct XqHook {
     const __half* x;
     const float* part;
     const float* static_amax;
+    const float* row_amax;  // [M] each row's max |x| itself (the SwiGLU GEMV's atomic max), read instead of part
     int C, m0, rows, K;
 
     // Every warp of every resident block runs this at once, so its instruction count is what it costs (the
@@ -61,7 +62,7 @@ struct XqHook {
             const int c = tid + j * THREADS;
             if (c < total) v[j] = load_half8(x + (size_t)m0 * K + chunk_off(c));
         }
-        if (part != nullptr) {
+        if (part != nullptr && row_amax == nullptr) {
             // every row's maxima: the block's rows * C partials as one flat range (rows are contiguous in part),
             // up to NV loads per thread in flight at once, each folded into its row's running max (the row is
             // selected in an unrolled loop, so a[] stays in registers)
@@ -99,7 +100,9 @@ struct XqHook {
         __syncthreads();
         if (tid < rows) {
             float amax = 0.0f;
-            if (part != nullptr) {
+            if (row_amax != nullptr) {
+                amax = row_amax[m0 + tid];
+            } else if (part != nullptr) {
 #pragma unroll
                 for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, s_red[tid * WARPS + w]);
             } else {
@@ -147,13 +150,16 @@ struct Int8Fold {
 // EPI: 0 plain, 1 + residual, 2 SwiGLU for the down projection's deferred quantization: block b's mma rows g
 // are gate channel f = 8b + g (weight row f of the fused [2F, K] gate|up), rows g + 8 the same up channel (row
 // F + f), so y [M, F] = fp16(silu(fp16 gate)) * fp16 up (silu_mul.cu's rounding of the two GEMM outputs) and
-// part_out [M, F / 8] = max |y| over the block's 8 channels per token. N is F for EPI 2.
-// XQ: x16 + part_in / static_amax as above (MT = 1) instead of qx + a_scale.
+// part_out [M, F / 8] = max |y| over the block's 8 channels per token; with row_amax (zero before) also each
+// token's max |y| itself, an atomic max of the blocks' values (float bits: non-negative floats order as unsigned
+// ints, and a max is the same in any order), so that the down projection reads one value per token where the
+// F / 8 partials cost each of its blocks an L2 round trip and 5.5 KB. N is F for EPI 2.
+// XQ: x16 + part_in / static_amax as above (MT = 1) instead of qx + a_scale; row_amax, when given, is the rows' max.
 template <int MT, int EPI, bool XQ>
 __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restrict__ part_out,
                                           const int8_t* __restrict__ qx, const float* __restrict__ a_scale,
                                           int a_stride, const __half* __restrict__ x16,
-                                          const float* __restrict__ part_in, int C,
+                                          const float* __restrict__ part_in, int C, float* row_amax,
                                           const float* __restrict__ static_amax, const int8_t* __restrict__ qweight,
                                           const float* __restrict__ w_scale, const __half* residual,
                                           Int8Fold fold, int M, int N, int K) {
@@ -199,7 +205,7 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     if constexpr (XQ) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
             qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
-            XqHook{xs, s_inv, s_scale, s_red, x16, part_in, static_amax, C, m0, rows, K}, SharedX{});
+            XqHook{xs, s_inv, s_scale, s_red, x16, part_in, static_amax, row_amax, C, m0, rows, K}, SharedX{});
     } else {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp,
                                              M, acc, mma);
@@ -238,7 +244,11 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
         amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 4));
         amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 8));
         amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 16));
-        if ((l >> 2) == 0 && m < M) part_out[(size_t)m * gridDim.x + blockIdx.x] = amax;
+        if ((l >> 2) == 0 && m < M) {
+            part_out[(size_t)m * gridDim.x + blockIdx.x] = amax;
+            // NaN (all 8 channels NaN) left out, as the fmaxf reductions over part leave it out
+            if (row_amax != nullptr && !isnan(amax)) atomicMax(reinterpret_cast<unsigned*>(row_amax + m), __float_as_uint(amax));
+        }
         return;
     }
     const int n = n_epi;  // blockIdx.x * 16 + (l >> 2) + (r >= 2 ? 8 : 0): this thread is lane l of warp r
@@ -299,7 +309,8 @@ __device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* 
         NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,      \
              const float* w_scale, const __half* residual, const __half* fold_w, __half* fold_xg,          \
              float* fold_sq, float* fold_mx, int M, int N, int K) {                                        \
-        int8_gemv<MT, EPI, false>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, qweight, \
+        int8_gemv<MT, EPI, false>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, nullptr, \
+                                  qweight,                                                                 \
                                   w_scale, residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K); \
     }
 
@@ -308,30 +319,33 @@ FLLAMA_INT8_GEMV(int8_gemv_mt2, 2, 0)
 FLLAMA_INT8_GEMV(int8_gemv_mt1_res, 1, 1)
 FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, 1)
 
-// SwiGLU entries: (y fp16 [M,F], part f32 [M,F/8], q_x int8 [M,K], a_scale, int a_stride, qweight int8 [2F,K]
-//   (gate rows, then up rows), w_scale f32 [2F], int M, int F, int K); grid (F / 8, ceil(M / (8 MT))), block 256.
+// SwiGLU entries: (y fp16 [M,F], part f32 [M,F/8], row_amax f32 [M] (zero) or null, q_x int8 [M,K], a_scale,
+//   int a_stride, qweight int8 [2F,K] (gate rows, then up rows), w_scale f32 [2F], int M, int F, int K);
+//   grid (F / 8, ceil(M / (8 MT))), block 256.
 #define FLLAMA_INT8_GEMV_SILU(NAME, MT)                                                                    \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, float* part, const int8_t* qx, const float* a_scale, int a_stride,                 \
+        NAME(__half* y, float* part, float* row_amax, const int8_t* qx, const float* a_scale, int a_stride, \
              const int8_t* qweight, const float* w_scale, int M, int F, int K) {                            \
-        int8_gemv<MT, 2, false>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, qweight,      \
-                                w_scale, nullptr, Int8Fold{}, M, F, K);                                     \
+        int8_gemv<MT, 2, false>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, row_amax, nullptr,     \
+                                qweight, w_scale, nullptr, Int8Fold{}, M, F, K);                            \
     }
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt1_silu, 1)
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
 
-// Deferred-quantization entries: (y fp16 [M,N], x fp16 [M,K], part f32 [M,C] or null, int C, static_amax f32 [1]
-//   (with part null), qweight, w_scale, residual or null, fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_sq
+// Deferred-quantization entries: (y fp16 [M,N], x fp16 [M,K], part f32 [M,C] or null, int C, row_amax f32 [M] or
+//   null (the rows' max itself, read instead of part), static_amax f32 [1] (with both null), qweight, w_scale,
+//   residual or null, fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_sq
 //   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K);
 //   M <= 8 per grid row; dynamic shared memory: min(M, 8) * K bytes rounded up to 128, then the main loop's ring
 //   (gemm_shapes.gemv_xq_shared).
 #define FLLAMA_INT8_GEMV_XQ(NAME, EPI)                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, const __half* x, const float* part, int C, const float* static_amax,              \
-             const int8_t* qweight, const float* w_scale, const __half* residual, const __half* fold_w,    \
-             __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {                       \
-        int8_gemv<1, EPI, true>(y, nullptr, nullptr, nullptr, 0, x, part, C, static_amax, qweight, w_scale, \
-                                residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K);           \
+        NAME(__half* y, const __half* x, const float* part, int C, const float* row_amax,                 \
+             const float* static_amax, const int8_t* qweight, const float* w_scale, const __half* residual, \
+             const __half* fold_w, __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {  \
+        int8_gemv<1, EPI, true>(y, nullptr, nullptr, nullptr, 0, x, part, C, const_cast<float*>(row_amax),  \
+                                static_amax, qweight, w_scale, residual,                                   \
+                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K);                     \
     }
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0)
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1)

@@ -39,16 +39,21 @@ DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faste
 # start, all blocks at once, so the prologue grows with the rows (docs/gpu.md step 15); the kernels take up to 8.
 XQ_MAX_ROWS = 1
 XQ_KERNEL_ROWS = 8
+SILU_SIGNATURE = "PPPPPiPPiii"  # int8_gemv_mt{1,2}_silu
+XQ_SIGNATURE = "PPPiPPPPPPPPPiii"  # int8_gemv_xq[_res]
 
 
 @dataclass(frozen=True)
 class DeferredQuant:
     """An int8 GEMM input not yet quantized: x fp16 [M, K] and its row maxima as partial maxima part fp32 [M, C]
-    (the max over each row of part is max |x| of that row), or, with part None, a static amax fp32 [1]."""
+    (the max over each row of part is max |x| of that row), or, with part None, a static amax fp32 [1].
+    row_amax fp32 [M], when given, is each row's max itself (int8_swiglu's atomic max): the GEMV reads it instead
+    of reducing part."""
 
     x: torch.Tensor
     part: torch.Tensor | None
     static_amax: torch.Tensor | None = None
+    row_amax: torch.Tensor | None = None
 
     def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q int8 [M, K], a_scale fp32 [M]) as quantize() gives for x (the row maxima found again), for a
@@ -79,24 +84,30 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         raise ValueError("a deferred quantization needs partial maxima or a static amax")
     else:
         check_static_amax(xq.static_amax)
+    row_amax = xq.row_amax if part is not None else None
+    if row_amax is not None:
+        check_tensor(row_amax, "row_amax", torch.float32, (M,), align=4)
     with build.on_stream():
         y = out_or_new(out, (M, N), torch.float16, x, "out", align=8)
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", "PPPiPPPPPPPPiii")
-        fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1],
+        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", XQ_SIGNATURE)
+        fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1], row_amax,
            xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
            shared=gemv_shared(cdiv(N, 16), gemv_xq_shared(M, K)))
     return y
 
 
 def int8_swiglu(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor,
-                w_scale: torch.Tensor) -> DeferredQuant:
+                w_scale: torch.Tensor, row_amax: torch.Tensor | None = None) -> DeferredQuant:
     """The gate|up GEMV with the SwiGLU in its epilogue, for M <= DECODE_MAX_M: q_x int8 [M, K], qweight int8
     [2F, K] (gate rows, then up rows), w_scale [2F] -> DeferredQuant(silu(gate) * up fp16 [M, F], part [M, F / 8]).
-    The fp16 values are silu_mul(int8_gemm(...))'s bits."""
+    The fp16 values are silu_mul(int8_gemm(...))'s bits. row_amax fp32 [M], zero on entry (the caller clears it:
+    quantize_fold's `zero`): each row's max |y| accumulated there as well, and passed on in the DeferredQuant."""
     M, K, N2 = _check(q_x, a_scale, qweight, w_scale, None)
+    if row_amax is not None:
+        check_tensor(row_amax, "row_amax", torch.float32, (M,), align=4)
     if M > DECODE_MAX_M:
         raise ValueError(f"int8_swiglu runs the GEMV: at most {DECODE_MAX_M} rows, got {M}")
     check_multiple(N2, 16, "a fused gate|up weight's rows")
@@ -106,11 +117,11 @@ def int8_swiglu(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor,
         part = torch.empty((M, F // 8), dtype=torch.float32, device=q_x.device)  # [M, F / 8]
         if M:
             mt = token_tile(M)
-            fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{mt}_silu", "PPPPiPPiii")
+            fn = build.get_function("int8_gemm.cu", f"int8_gemv_mt{mt}_silu", SILU_SIGNATURE)
             grid = (F // 8, cdiv(M, 8 * mt))
-            fn(grid, (GEMV_THREADS,), y, part, q_x, a_scale, 1 if a_scale.numel() == M else 0, qweight, w_scale,
-               M, F, K, shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
-    return DeferredQuant(y, part)
+            fn(grid, (GEMV_THREADS,), y, part, row_amax, q_x, a_scale, 1 if a_scale.numel() == M else 0, qweight,
+               w_scale, M, F, K, shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+    return DeferredQuant(y, part, row_amax=row_amax)
 
 
 def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,

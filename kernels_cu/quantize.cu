@@ -6,9 +6,10 @@
 // Entry points quantize_<dyn|static>_nv<NV>(q int8 [T,K], a_scale f32 [T], static_amax f32 [1],
 //                                          x fp16 [T,K], int K)
 // quantize_fold(q int8 [T,K], a_scale f32 [T], mx f32 [T,C], sq f32 [T,C] or null, static_amax f32 [1] or null,
-// x fp16 [T,K], int K, float eps, int C): the RMSNorm before an int8 GEMM deferred into its producer
-// (norm_fold.py), or with sq null quantize()'s bits from C partial maxima that a previous kernel wrote
+// x fp16 [T,K], int K, float eps, int C, zero f32 [T] or null): the RMSNorm before an int8 GEMM deferred into its
+// producer (norm_fold.py), or with sq null quantize()'s bits from C partial maxima that a previous kernel wrote
 // (silu_mul_part's per block, the int8 SwiGLU GEMV's per 8 channels); grid (ceil(K / 1024), T), 8 values a thread.
+// zero, when given, is set to 0 (the next GEMV's row-max accumulator).
 #include "common.cuh"
 
 using namespace fllama;
@@ -76,7 +77,8 @@ template <bool EARLY>
 __device__ __forceinline__ void quantize_fold_rows(int8_t* __restrict__ q, float* __restrict__ a_scale,
                                                    const float* __restrict__ mx, const float* __restrict__ sq,
                                                    const float* __restrict__ static_amax,
-                                                   const __half* __restrict__ x, int K, float eps, int C) {
+                                                   const __half* __restrict__ x, int K, float eps, int C,
+                                                   float* __restrict__ zero) {
     __shared__ float s_max[PARTS_THREADS / 32], s_sum[PARTS_THREADS / 32];
     if (EARLY) {
         pdl_launch_dependents();
@@ -85,6 +87,9 @@ __device__ __forceinline__ void quantize_fold_rows(int8_t* __restrict__ q, float
         pdl_enter();
     }
     const size_t row = blockIdx.y;
+    // zero: the next kernel's row-max accumulator (the int8 SwiGLU GEMV's row_amax), cleared for it here, after
+    // the wait, where its last reader (the down_proj before) has completed and its writers have not started
+    if (zero != nullptr && blockIdx.x == 0 && threadIdx.x == 0) zero[row] = 0.0f;
     const int c = blockIdx.x * PARTS_THREADS + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     Half8 v;
@@ -126,12 +131,12 @@ __device__ __forceinline__ void quantize_fold_rows(int8_t* __restrict__ q, float
 }
 
 // (q int8 [T,K], a_scale f32 [T], mx f32 [T,C], sq f32 [T,C] or null, static_amax f32 [1] or null, x fp16 [T,K],
-//  int K, float eps, int C); grid (ceil(K / 1024), T), block 128
+//  int K, float eps, int C, zero f32 [T] or null (set to 0)); grid (ceil(K / 1024), T), block 128
 #define FLLAMA_QUANTIZE_FOLD(NAME, EARLY)                                                                  \
     extern "C" __global__ void __launch_bounds__(PARTS_THREADS)                                            \
         NAME(int8_t* q, float* a_scale, const float* mx, const float* sq, const float* static_amax,       \
-             const __half* x, int K, float eps, int C) {                                                  \
-        quantize_fold_rows<EARLY>(q, a_scale, mx, sq, static_amax, x, K, eps, C);                         \
+             const __half* x, int K, float eps, int C, float* zero) {                                     \
+        quantize_fold_rows<EARLY>(q, a_scale, mx, sq, static_amax, x, K, eps, C, zero);                   \
     }
 FLLAMA_QUANTIZE_FOLD(quantize_fold, false)
 FLLAMA_QUANTIZE_FOLD(quantize_fold_early, true)

@@ -107,6 +107,42 @@ def test_swiglu_then_deferred_down_equals_the_quantized_chain():
     assert_equal(got, want, "gate|up -> down")
 
 
+@pytest.mark.parametrize("M,F,K", [(1, 11008, 4096), (3, 688, 1040), (8, 8, 64)])
+def test_swiglu_row_amax_is_each_rows_max(M, F, K):
+    """int8_swiglu with row_amax: the atomic max of the blocks' values is the max of part, bit for bit, the
+    SwiGLU output unchanged; the buffer must be zero before, and a second call on it (cleared by quantize_fold's
+    `zero`, as the engine runs it) is exact again with smaller values."""
+    q_x, qweight = codes(M, K, seed=F + M), codes(2 * F, K, seed=F + 2)
+    a_scale, w_scale = scales(M, seed=5) * 0.1, scales(2 * F, seed=6) * 0.1
+    row_amax = torch.zeros(M, dtype=torch.float32, device="cuda")
+    for trial, shrink in enumerate((1.0, 0.25)):
+        if trial:  # the engine's order: the quantize_fold before gate|up clears it
+            xg = randn(M, 64, seed=trial)
+            quantize_fold(xg, xg.float().abs().reshape(M, 8, 8).amax(-1).contiguous(), None, 0.0, zero=row_amax)
+            assert_equal(row_amax, torch.zeros_like(row_amax), "cleared by quantize_fold")
+        d = int8_swiglu(q_x, a_scale * shrink, qweight, w_scale, row_amax=row_amax)
+        assert d.row_amax is row_amax
+        assert_equal(d.x, int8_swiglu(q_x, a_scale * shrink, qweight, w_scale).x, f"y M={M} F={F} trial {trial}")
+        assert_equal(row_amax, d.part.amax(dim=1), f"row max M={M} F={F} trial {trial}")
+
+
+def test_swiglu_row_amax_then_deferred_down_equals_the_quantized_chain():
+    """The engine's one-row chain with the row max read instead of the 1,376 partials: the same bits."""
+    from kernels_cu.silu_mul import silu_mul_quant
+
+    M, F, K = 1, 11008, 4096
+    q_x, wgu = codes(M, K, seed=11), codes(2 * F, K, seed=12)
+    a_scale, sgu = scales(M, seed=13) * 0.05, scales(2 * F, seed=14) * 0.05
+    wd, sd = codes(K, F, seed=15), scales(K, seed=16) * 0.05
+    h = randn(M, K, seed=17)
+    row_amax = torch.zeros(M, dtype=torch.float32, device="cuda")
+    d = int8_swiglu(q_x, a_scale, wgu, sgu, row_amax=row_amax)
+    poison(d.part)  # the GEMV must not need them
+    got = int8_gemm_deferred(d, wd, sd, residual=h)
+    want = int8_gemm(*silu_mul_quant(int8_gemm(q_x, a_scale, wgu, sgu)), wd, sd, residual=h)
+    assert_equal(got, want, "gate|up -> down with the row max")
+
+
 # ---- the deferred RMSNorm of an int8 decode step (norm_fold.py): o_proj / down_proj write xg, sums and maxima,
 # quantize_fold quantizes xg for the next GEMV
 EPS = 1e-5

@@ -12,7 +12,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, poison, ran
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu.int8_gemm import int8_gemm, int8_gemm_ref  # noqa: E402
+from kernels_cu.int8_gemm import SILU_SIGNATURE, XQ_SIGNATURE, int8_gemm, int8_gemm_ref  # noqa: E402
 from model_zoo.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -83,8 +83,8 @@ def test_rejects_bad_inputs():
 
 @pytest.mark.parametrize("cu,name,sig", [
     ("int8_gemm.cu", "int8_gemv_mt1", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_res", "PPPiPPPPPPPiii"),
-    ("int8_gemm.cu", "int8_gemv_mt2", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_silu", "PPPPiPPiii"),
-    ("int8_gemm.cu", "int8_gemv_xq_res", "PPPiPPPPPPPPiii"), ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPf"),
+    ("int8_gemm.cu", "int8_gemv_mt2", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_silu", SILU_SIGNATURE),
+    ("int8_gemm.cu", "int8_gemv_xq_res", XQ_SIGNATURE), ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPf"),
     ("fp16_gemv.cu", "fp16_gemv_mt2_res", "PPPPiiiPPPPf"), ("fp16_gemv.cu", "fp16_gemv_mt1_silu", "PPPPiiiPPPPf")])
 def test_gemv_ring_residency(cu, name, sig):
     """gemv_shared's shared memory: a one-wave grid gets exactly two blocks per SM (never three, which leaves SMs

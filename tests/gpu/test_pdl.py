@@ -14,7 +14,7 @@ from kernels_cu.awq_gemv import awq_linear, pack_for_gemv
 from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import int8_gemm
 from kernels_cu.norm_fold import FoldOut
-from kernels_cu.quantize import quantize_fold
+from kernels_cu.quantize import FOLD_SIGNATURE, quantize_fold
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
 from kernels_cu.rope_kv import rope_kv, rope_table
 from kernels_cu.silu_mul import silu_mul_quant
@@ -125,7 +125,7 @@ def test_early_quantize_fold_chain_bitwise_equal(M):
                torch.randint(-127, 128, (H, H), generator=g, dtype=torch.int8).cuda(),
                (torch.rand(H, generator=g) * 1e-4 + 5e-5).cuda()) for _ in range(6)]
     static = torch.randn(M, H).half().cuda()
-    early = build.get_function("quantize.cu", "quantize_fold_early", "PPPPPPifi")
+    early = build.get_function("quantize.cu", "quantize_fold_early", FOLD_SIGNATURE)
     before = early.programmatic_launches
     graph, out = _captured(lambda: _int8_fold_chain(static, layers))
     assert early.programmatic_launches > before
