@@ -247,7 +247,8 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
         if ((l >> 2) == 0 && m < M) {
             part_out[(size_t)m * gridDim.x + blockIdx.x] = amax;
             // NaN (all 8 channels NaN) left out, as the fmaxf reductions over part leave it out
-            if (row_amax != nullptr && !isnan(amax)) atomicMax(reinterpret_cast<unsigned*>(row_amax + m), __float_as_uint(amax));
+            if (row_amax != nullptr && !isnan(amax))
+                atomicMax(reinterpret_cast<unsigned*>(row_amax + m), __float_as_uint(amax));
         }
         return;
     }
