@@ -280,7 +280,7 @@ class GpuCache:
     # least recently used first
     prefill_graphs: OrderedDict = field(default_factory=OrderedDict)
     prefill_seen: set = field(default_factory=set)  # prefill shapes run once, eagerly
-    static: dict = field(default_factory=dict)  # buffers the graphs read: tokens, active, row
+    static: dict = field(default_factory=dict)  # buffers the decode graphs use: tokens, active, row, lens, row_amax
 
     @property
     def bucket(self) -> int:

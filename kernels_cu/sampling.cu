@@ -232,22 +232,23 @@ __device__ void choose_digit(Shared& sh) {
     }
 }
 
-// The decode step's bookkeeping for row b (thread 0), once its token is known. load() runs before the PDL wait:
-// lengths and active are written only by earlier steps' sampling and the host, never by the kernels this one may
-// overlap, and reading them there keeps two L2 round trips off the step's last kernel.
+// The decode step's bookkeeping for row b (thread 0), once its token is known. new_length() runs before the PDL
+// wait: lengths and active are written only by earlier steps' sampling and the host, never by the kernels this one
+// may overlap, and reading them there keeps two L2 round trips off the step's last kernel.
 struct StepOut {
     int* next_ids;
     int* lengths;
     const int* active;
 
-    __device__ __forceinline__ int new_length(int b) const { return next_ids != nullptr ? lengths[b] + active[b] : 0; }
+    __device__ __forceinline__ int new_length(int b) const {
+        return next_ids != nullptr ? lengths[b] + active[b] : 0;
+    }
     __device__ __forceinline__ void write(int b, int token, int new_len) const {
         if (next_ids == nullptr) return;
         next_ids[b] = token;
         lengths[b] = new_len;
     }
 };
-
 
 template <typename T>
 __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, int* __restrict__ finished,
