@@ -30,7 +30,8 @@ from kernels_cu.awq_gemv import GEMV_MAX_M as AWQ_GEMV_MAX_M, awq_linear, gemv_t
 from kernels_cu.awq_gemv import folds as awq_folds
 from kernels_cu.embedding import embedding, embedding_fold
 from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
-from kernels_cu.int8_gemm import XQ_MAX_ROWS, DeferredQuant, int8_gemm, int8_gemm_deferred, int8_swiglu
+from kernels_cu.int8_gemm import (XQ_MAX_ROWS, DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred,
+                                  int8_gemm_norm, int8_swiglu, int8_swiglu_norm, norm_in_loop)
 from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.quantize import quantize, quantize_fold
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_quant
@@ -61,8 +62,9 @@ FOLD_MAX_ROWS = {"fp16": 8, "awq": 4}
 # Module switches for A/B runs (engine_ab --switch engine.DEFER_SWIGLU).
 DEFER_ATTENTION = True
 DEFER_SWIGLU = True
-# Where down_proj quantizes its input and quantize_fold feeds gate|up (an int8 step with both deferrals): the SwiGLU
-# GEMV also writes each row's max itself (an atomic max into a buffer the quantize_fold before it clears), so
+# Where down_proj quantizes its input and gate|up takes the deferred norm (an int8 step with both deferrals): the SwiGLU
+# GEMV also writes each row's max itself (an atomic max into a buffer cleared before it: by the quantize_fold before
+# it, or at one row, where no quantize_fold runs (int8_gemm.NORM_ROW_LOOP), by the layer's q|k|v GEMV), so
 # down_proj's 256 blocks each read one float instead of 1,376 partial maxima (5.5 KB from the same L2 lines at
 # once). Switch for A/B runs.
 SWIGLU_ROW_AMAX = True
@@ -206,20 +208,27 @@ class Int8Op:
         self.qweight, self.w_scale = qweight, w_scale  # [N, K] int8, [N] fp32
         self.amax = amax  # [1] fp32 for static activations, None for per-token dynamic
 
-    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor] | DeferredQuant, residual: torch.Tensor | None = None,
-                 fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
+    def __call__(self, xq: tuple[torch.Tensor, torch.Tensor] | DeferredQuant | NormQuant,
+                 residual: torch.Tensor | None = None, fold_in: FoldIn | None = None,
+                 fold_out: FoldOut | None = None) -> torch.Tensor:
         """fold_out: the next RMSNorm deferred (a decode GEMV with a residual); a deferred RMSNorm before this op
-        arrives quantized by quantize_fold, never as fold_in."""
+        arrives as a NormQuant (or quantized by quantize_fold), never as fold_in."""
         if fold_in is not None:
-            raise DeviceError("an int8 linear takes its deferred RMSNorm quantized (quantize_fold)")
+            raise DeviceError("an int8 linear takes its deferred RMSNorm as a NormQuant or quantized")
+        if isinstance(xq, NormQuant):
+            if residual is not None or fold_out is not None:
+                raise DeviceError("an int8 linear after a deferred norm takes no residual")
+            return int8_gemm_norm(xq, self.qweight, self.w_scale)
         if isinstance(xq, DeferredQuant):
             return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual, fold_out=fold_out)
         return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual, fold_out=fold_out)
 
-    def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor],
+    def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor] | NormQuant,
                         row_amax: torch.Tensor | None = None) -> DeferredQuant:
         """A gate|up op (gate rows, then up rows) on a few rows: silu(gate) * up in fp16 with its row maxima,
         for a down_proj that quantizes its input itself (row_amax: int8_swiglu's)."""
+        if isinstance(xq, NormQuant):
+            return int8_swiglu_norm(xq, self.qweight, self.w_scale, row_amax)
         return int8_swiglu(xq[0], xq[1], self.qweight, self.w_scale, row_amax)
 
     def folds(self, m: int) -> bool:
@@ -425,13 +434,14 @@ class Engine:
                  zero: torch.Tensor | None = None) -> tuple[Any, FoldIn | None]:
         """op's input after the RMSNorm with weight w and how op takes it: the norm kernel's output (+ int8
         quantization for an int8 op) and None, or, when a producer deferred this norm (fold), its xg and FoldIn
-        (for an int8 op: xg quantized by quantize_fold, and None; zero: a buffer that kernel clears for op)."""
+        (for an int8 op: a NormQuant, which op's GEMV quantizes at one row and quantize_fold otherwise, and None;
+        zero: a buffer the quantizing kernel clears, for a later GEMV)."""
         eps = self.config.norm_eps
         if fold is not None and fold.int8:  # xg quantized from the producer's maxima and sums (no norm kernel)
-            return quantize_fold(fold.xg, fold.mx, fold.part, eps, op.amax, early=_early_fold(h.shape[0]),
-                                 zero=zero), None
+            nq = NormQuant(fold.xg, fold.mx, fold.part, eps, op.amax, zero, early=_early_fold(h.shape[0]))
+            return (nq if nq.in_loop() else nq.quantized()), None
         if zero is not None:
-            raise DeviceError("a row-max buffer is cleared by the int8 deferred norm's quantize_fold only")
+            raise DeviceError("a row-max buffer is cleared by the int8 deferred norm's quantization only")
         if fold is not None:
             return fold.xg, fold.consumer(eps)
         return (rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)), None
@@ -474,7 +484,12 @@ class Engine:
         kernel)."""
         c, L = self.config, self.layers[i]
         T = h.shape[0]
-        x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold)
+        # [T] the SwiGLU GEMV's row maxima (SWIGLU_ROW_AMAX), cleared by the kernel that quantizes a norm before
+        # it: the quantize_fold before gate|up, or where the GEMVs quantize one row's norm themselves (that GEMV
+        # cannot clear what its own blocks accumulate), q|k|v
+        row_amax = cache.static["row_amax"] if defer and int8_fold and SWIGLU_ROW_AMAX else None
+        qkv_clears = row_amax is not None and norm_in_loop(T)
+        x, fold_in = self._norm_in(h, L.attn_norm, L.qkv, fold, zero=row_amax if qkv_clears else None)
         qkv = L.qkv(x, fold_in=fold_in)  # [T, (nh + 2 nkv) d]
         o = attend(i, qkv)  # [T, nh * d], (q int8, a_scale) when attention quantized its output, or DeferredQuant
         if L.o.int8 and isinstance(o, torch.Tensor):
@@ -482,9 +497,7 @@ class Engine:
         folding = fold is not None or int8_fold
         ffn = FoldOut.new(L.ffn_norm, T, int8_fold) if folding else None
         h = L.o(o, residual=h, fold_out=ffn)  # [T, H]
-        # [T] the SwiGLU GEMV's row maxima, cleared by the quantize_fold before it (SWIGLU_ROW_AMAX)
-        row_amax = cache.static["row_amax"] if defer and int8_fold and SWIGLU_ROW_AMAX else None
-        x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn, zero=row_amax)
+        x, fold_in = self._norm_in(h, L.ffn_norm, L.gate_up, ffn, zero=None if qkv_clears else row_amax)
         if L.gate_up.swiglu:
             a = L.gate_up(x, fold_in=fold_in)  # [T, F]: the GEMV's epilogue applied silu(gate) * up
         elif defer:

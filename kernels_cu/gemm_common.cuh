@@ -263,14 +263,25 @@ struct NoHook {
     __device__ __forceinline__ void operator()() const {}
 };
 // Where the activations come from: global memory (read-only cached path), or shared memory that the block
-// filled itself in its after-wait hook (int8_gemv's deferred quantization).
+// filled itself in its after-wait hook (int8_gemv's deferred quantization). A loader's load(p, ok) issues the
+// lane's read for one tile (p = x_row[mt] + k) and returns a Raw value; finish(raw) turns that into the lane's 16
+// bytes once the step's math is done, so a loader whose value needs work (int8_gemm.cu's RowQuantX: fp16
+// quantized in the loop) does it after the read has had a whole step to land. Here Raw is the value itself.
+// LOAD_FIRST: the first step's loads go out before after_wait() (whose own reads then share their round trip), where
+// the hook does not fill what they read (SharedX's does).
 struct GlobalX {
-    __device__ __forceinline__ uint4 operator()(const void* p, bool ok) const { return ld_cached(p, ok); }
+    static constexpr bool LOAD_FIRST = false;
+    using Raw = uint4;
+    __device__ __forceinline__ uint4 load(const void* p, bool ok) const { return ld_cached(p, ok); }
+    __device__ __forceinline__ uint4 finish(uint4 r) const { return r; }
 };
 struct SharedX {
-    __device__ __forceinline__ uint4 operator()(const void* p, bool ok) const {
+    static constexpr bool LOAD_FIRST = false;
+    using Raw = uint4;
+    __device__ __forceinline__ uint4 load(const void* p, bool ok) const {
         return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
     }
+    __device__ __forceinline__ uint4 finish(uint4 r) const { return r; }
 };
 
 // Bytes of the ring (dynamic shared memory) for a block of WARPS warps.
@@ -325,25 +336,41 @@ __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int h
         const int c = (4 * (u & 1) + t) ^ ((g & 1) << 2);
         return *reinterpret_cast<const uint4*>(st + row_off + 128 * (u >> 1) + 16 * c);
     };
+    using XRaw = typename XLoad::Raw;
     uint4 xv[UNROLL][MT];
-    auto load_x = [&](int base, uint4 (&xs)[UNROLL][MT]) {
+    auto load_x = [&](int base, XRaw (&xs)[UNROLL][MT]) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int k = (base + u) * TILE_K;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = x_load(x_row[mt] + k, k + lane_k < K && x_ok[mt]);
+            for (int mt = 0; mt < MT; ++mt) xs[u][mt] = x_load.load(x_row[mt] + k, k + lane_k < K && x_ok[mt]);
         }
+    };
+    auto finish_x = [&](XRaw (&xs)[UNROLL][MT]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) xv[u][mt] = x_load.finish(xs[u][mt]);
     };
 #pragma unroll
     for (int s = 0; s < GEMV_STAGES - 1; ++s) issue(warp * UNROLL + s * STRIDE, s);
     pdl_wait();
     pdl_gemv_started(M);  // M: the GEMV's token rows (few: its dependents start now)
-    after_wait();
-    load_x(warp * UNROLL, xv);
+    {
+        XRaw x0[UNROLL][MT];
+        if constexpr (XLoad::LOAD_FIRST) {
+            load_x(warp * UNROLL, x0);
+            after_wait();
+        } else {
+            after_wait();
+            load_x(warp * UNROLL, x0);
+        }
+        finish_x(x0);
+    }
     int stage = 0;
     for (int base = warp * UNROLL; base < tiles; base += STRIDE) {
         issue(base + (GEMV_STAGES - 1) * STRIDE, (stage + GEMV_STAGES - 1) % GEMV_STAGES);
-        uint4 nx[UNROLL][MT];
+        XRaw nx[UNROLL][MT];
         load_x(base + STRIDE, nx);
         cp_async_wait<GEMV_STAGES - 1>();
         __syncwarp();  // the other lanes' copies of this stage have landed
@@ -359,10 +386,7 @@ __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int h
                         word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
         }
         __syncwarp();  // every lane has read the stage before the next issue refills it
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) xv[u][mt] = nx[u][mt];
+        finish_x(nx);
         stage = (stage + 1) % GEMV_STAGES;
     }
     cp_async_wait<0>();  // nothing of ours in flight when the block moves on (the fold's cp.async included)

@@ -135,6 +135,134 @@ struct XqHook {
     }
 };
 
+// The deferred quantization of one row in the main loop (int8_gemv_xq1*, the batch-1 decode step): XqHook makes
+// every block read and quantize the whole row into shared memory behind a barrier before its first mma (down_proj:
+// 22 KB a block, 256 blocks at once), a cost each GEMV paid as ~1.2 us of start (docs/gpu.md step 27). Here
+// XqRowHook only finds the row's max (one L2 read, every warp its own: no barrier), and RowQuantX quantizes each
+// tile's x as the loop needs it: the lanes of a warp read one 128-byte run of fp16 x a tile (4 bytes each, lane
+// (g, t) values 16 t + 2 g, +1), quantize their two values by quantize.cu's rule (the same codes as XqHook) and
+// gather each t's 16 codes with shuffles; the B operand holds the token in column g, so lanes g > 0 then keep
+// zeros. The read goes out one step ahead (load), the conversion after that step's math (finish).
+struct XqRowHook {
+    float* inv;      // the warp's 127 / amax (a local of the kernel: registers after inlining)
+    float* s_scale;  // [1] a_scale for the epilogue, written by thread 0
+    const float* part;
+    const float* static_amax;
+    const float* row_amax;
+    int C, m0;
+
+    __device__ __forceinline__ void operator()() const {
+        float amax;
+        if (row_amax != nullptr) {
+            amax = row_amax[m0];
+        } else if (part != nullptr) {
+            amax = 0.0f;
+            for (int i = threadIdx.x & 31; i < C; i += 32) amax = fmaxf(amax, part[(size_t)m0 * C + i]);
+            amax = warp_max(amax);
+        } else {
+            amax = *static_amax;
+        }
+        amax = clamp_amax(amax);
+        *inv = __fdiv_rn(127.0f, amax);
+        if (threadIdx.x == 0) *s_scale = __fdiv_rn(amax, 127.0f);
+    }
+};
+
+struct RowQuantX {
+    static constexpr bool LOAD_FIRST = true;  // the first tile's x in flight with the hook's reads
+    using Raw = uint32_t;                     // the lane's two fp16 values
+    const int8_t* base;    // x_row's origin: p - base is the element index of the lane's 16-value chunk
+    const __half* x;       // the row
+    const float* inv;
+    int g, t;
+
+    __device__ __forceinline__ uint32_t load(const void* p, bool ok) const {
+        const size_t i = static_cast<size_t>(static_cast<const int8_t*>(p) - base) + 2 * g;
+        return ok ? __ldg(reinterpret_cast<const unsigned*>(x + i)) : 0u;
+    }
+    __device__ __forceinline__ uint4 finish(uint32_t r) const {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&r));
+        const float s = *inv;
+        const uint32_t mine = __byte_perm(quantize_int(f.x, s), quantize_int(f.y, s), 0x0040);  // codes 2g, 2g + 1
+        const uint32_t other = __shfl_xor_sync(FULL_MASK, mine, 4);  // lane g ^ 1, same t
+        const bool even = (g & 1) == 0;
+        const uint32_t word = __byte_perm(even ? mine : other, even ? other : mine, 0x5410);  // codes 4 (g / 2)..+3
+        uint4 v;
+        v.x = __shfl_sync(FULL_MASK, word, t);  // word j of chunk t: lane g = 2 j
+        v.y = __shfl_sync(FULL_MASK, word, 8 + t);
+        v.z = __shfl_sync(FULL_MASK, word, 16 + t);
+        v.w = __shfl_sync(FULL_MASK, word, 24 + t);
+        return g == 0 ? v : make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+// The int8 deferred RMSNorm of one row read by the GEMV after it (int8_gemv_nq1*, the batch-1 decode step's q|k|v
+// and gate|up) instead of a quantize_fold kernel in between (a launch and a wait per norm, ~1.6 us of each
+// step's 64 on the H100; docs/gpu.md step 27): xg fp16 [1, K] = h * w and its C partial maxima mx and sums of h^2
+// sq, as an Int8Fold producer wrote them. NormRowHook reduces the partials as quantize_fold does, in its order
+// (virtual threads v < 128 sum sq[v], sq[v + 128], ... in turn, then a butterfly per warp of 32, then the four
+// warps in order: the same float), so inv and a_scale are quantize_fold's bits, and RowQuantX quantizes xg tile by
+// tile with them. zero (the SwiGLU GEMV's row max of this layer) is cleared by block 0: the down_proj before, its
+// last reader, has completed at this wait, and its writer runs after this kernel.
+struct NormQ {
+    const __half* xg;
+    const float* mx;
+    const float* sq;           // null: no norm (quantize()'s bits of xg from its maxima)
+    const float* static_amax;  // null: dynamic
+    float* zero;
+    float eps;
+    int C;
+};
+
+struct NormRowHook {
+    float* inv;      // the thread's 127 / amax (times rstd when static)
+    float* s_scale;  // [1] a_scale for the epilogue, written by thread 0
+    float* s_red;    // [8]: the sums of warps 0-3, the maxima of warps 4-7
+    NormQ nq;
+    int K;
+
+    __device__ __forceinline__ void operator()() const {
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, v = tid & 127;
+        if (nq.zero != nullptr && blockIdx.x == 0 && tid == 0) nq.zero[0] = 0.0f;
+        float r = 0.0f;
+        // unrolled, so that the loads go out at once (C = K / 8 = 512 for LLaMA-2-7B: 4 a thread); the adds stay
+        // in order
+        if (tid < 128) {
+            if (nq.sq != nullptr) {
+#pragma unroll 4
+                for (int i = v; i < nq.C; i += 128) r += nq.sq[i];
+            }
+            r = warp_sum(r);
+        } else {
+            if (nq.static_amax == nullptr) {
+#pragma unroll 4
+                for (int i = v; i < nq.C; i += 128) r = fmaxf(r, nq.mx[i]);
+            }
+            r = warp_max(r);
+        }
+        if (lane == 0) s_red[warp] = r;
+        __syncthreads();
+        float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            amax = fmaxf(amax, s_red[4 + w]);
+            sum += s_red[w];
+        }
+        amax = clamp_amax(nq.static_amax == nullptr ? amax : *nq.static_amax);
+        float q_inv = __fdiv_rn(127.0f, amax), scale = __fdiv_rn(amax, 127.0f);
+        if (nq.sq != nullptr) {
+            const float rstd = rsqrtf(__fdividef(sum, (float)K) + nq.eps);  // as quantize_fold
+            if (nq.static_amax == nullptr) {
+                scale *= rstd;
+            } else {
+                q_inv *= rstd;
+            }
+        }
+        *inv = q_inv;
+        if (tid == 0) *s_scale = scale;
+    }
+};
+
 // The int8 deferred RMSNorm (norm_fold.py, int8 decode up to 16 rows): an EPI 1 producer (o_proj, down_proj)
 // writes for the norm after it (weight w [N]), per token m and 8-channel group of its output h: xg [M, N] =
 // fp16(h * w), sq [M, N / 8] = sum of h^2 and mx [M, N / 8] = max |xg|. quantize.cu's quantize_fold then turns
@@ -155,19 +283,25 @@ struct Int8Fold {
 // ints, and a max is the same in any order), so that the down projection reads one value per token where the
 // F / 8 partials cost each of its blocks an L2 round trip and 5.5 KB. N is F for EPI 2.
 // XQ: x16 + part_in / static_amax as above (MT = 1) instead of qx + a_scale; row_amax, when given, is the rows' max.
-template <int MT, int EPI, bool XQ>
+// XQ_PROLOGUE quantizes up to 8 rows in XqHook, XQ_ROW one row in the main loop (RowQuantX); XQ_NORM one row of
+// a deferred RMSNorm (nq) in the main loop, its partials reduced by NormRowHook.
+enum XqMode { XQ_NONE = 0, XQ_PROLOGUE = 1, XQ_ROW = 2, XQ_NORM = 3 };
+template <int MT, int EPI, int XQ>
 __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restrict__ part_out,
                                           const int8_t* __restrict__ qx, const float* __restrict__ a_scale,
                                           int a_stride, const __half* __restrict__ x16,
                                           const float* __restrict__ part_in, int C, float* row_amax,
                                           const float* __restrict__ static_amax, const int8_t* __restrict__ qweight,
                                           const float* __restrict__ w_scale, const __half* residual,
-                                          Int8Fold fold, int M, int N, int K) {
+                                          Int8Fold fold, NormQ nq, int M, int N, int K) {
     static_assert(!XQ || MT == 1, "the deferred quantization holds 8 token rows");
     __shared__ int red[WARPS][MT][4][32];
     __shared__ float s_inv[8], s_scale[8], s_red[8 * WARPS];
-    extern __shared__ __align__(128) int8_t xs[];  // XQ: [rows][K]; then the main loop's ring (gemm_common.cuh)
-    const uint32_t ring_at = XQ ? ((uint32_t)min(M, 8) * K + 127) / 128 * 128 : 0;
+    // XQ_PROLOGUE: [rows][K]; then the main loop's ring (gemm_common.cuh)
+    extern __shared__ __align__(128) int8_t xs[];
+    const uint32_t ring_at = XQ == XQ_PROLOGUE ? ((uint32_t)min(M, 8) * K + 127) / 128 * 128 : 0;
+    if ((XQ == XQ_ROW || XQ == XQ_NORM) && M != 1) __trap();  // the launcher's rule (int8_gemm.py)
+    if (XQ == XQ_NORM) x16 = nq.xg;
     if (dynamic_smem_size() < ring_at + gemv_ring_bytes<WARPS, UNROLL>()) __trap();  // the launcher's shared=
     uint8_t* ring = reinterpret_cast<uint8_t*>(xs) + ring_at;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -181,7 +315,10 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     const int n_rows = EPI == 2 ? 2 * N : N;
     bool x_ok[MT];
     const int8_t* x_row[MT];
-    if (XQ) {
+    if (XQ == XQ_ROW || XQ == XQ_NORM) {  // every lane reads (RowQuantX); x_row only carries the offset k
+        x_ok[0] = true;
+        x_row[0] = reinterpret_cast<const int8_t*>(x16) + 16 * t;
+    } else if (XQ == XQ_PROLOGUE) {
         x_ok[0] = g < rows;
         x_row[0] = xs + (size_t)(x_ok[0] ? g : 0) * K + 16 * t;
     } else {
@@ -202,7 +339,18 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     auto mma = [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
         mma_s8_16832(c, a0, a1, a2, a3, b0, b1);
     };
-    if constexpr (XQ) {
+    if constexpr (XQ == XQ_ROW) {
+        float inv = 0.0f;
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(
+            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
+            XqRowHook{&inv, s_scale, part_in, static_amax, row_amax, C, m0},
+            RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
+    } else if constexpr (XQ == XQ_NORM) {
+        float inv = 0.0f;
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(
+            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
+            NormRowHook{&inv, s_scale, s_red, nq, K}, RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
+    } else if constexpr (XQ == XQ_PROLOGUE) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
             qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
             XqHook{xs, s_inv, s_scale, s_red, x16, part_in, static_amax, row_amax, C, m0, rows, K}, SharedX{});
@@ -310,9 +458,9 @@ __device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* 
         NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,      \
              const float* w_scale, const __half* residual, const __half* fold_w, __half* fold_xg,          \
              float* fold_sq, float* fold_mx, int M, int N, int K) {                                        \
-        int8_gemv<MT, EPI, false>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, nullptr, \
+        int8_gemv<MT, EPI, XQ_NONE>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, nullptr, \
                                   qweight,                                                                 \
-                                  w_scale, residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K); \
+                                  w_scale, residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K); \
     }
 
 FLLAMA_INT8_GEMV(int8_gemv_mt1, 1, 0)
@@ -327,8 +475,8 @@ FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, 1)
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, float* part, float* row_amax, const int8_t* qx, const float* a_scale, int a_stride, \
              const int8_t* qweight, const float* w_scale, int M, int F, int K) {                            \
-        int8_gemv<MT, 2, false>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, row_amax, nullptr,     \
-                                qweight, w_scale, nullptr, Int8Fold{}, M, F, K);                            \
+        int8_gemv<MT, 2, XQ_NONE>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, row_amax, nullptr,     \
+                                qweight, w_scale, nullptr, Int8Fold{}, NormQ{}, M, F, K);                            \
     }
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt1_silu, 1)
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
@@ -339,17 +487,36 @@ FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
 //   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K);
 //   M <= 8 per grid row; dynamic shared memory: min(M, 8) * K bytes rounded up to 128, then the main loop's ring
 //   (gemm_shapes.gemv_xq_shared).
-#define FLLAMA_INT8_GEMV_XQ(NAME, EPI)                                                                     \
+#define FLLAMA_INT8_GEMV_XQ(NAME, EPI, MODE)                                                               \
     extern "C" __global__ void __launch_bounds__(256)                                                      \
         NAME(__half* y, const __half* x, const float* part, int C, const float* row_amax,                 \
              const float* static_amax, const int8_t* qweight, const float* w_scale, const __half* residual, \
              const __half* fold_w, __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {  \
-        int8_gemv<1, EPI, true>(y, nullptr, nullptr, nullptr, 0, x, part, C, const_cast<float*>(row_amax),  \
+        int8_gemv<1, EPI, MODE>(y, nullptr, nullptr, nullptr, 0, x, part, C, const_cast<float*>(row_amax),  \
                                 static_amax, qweight, w_scale, residual,                                   \
-                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, M, N, K);                     \
+                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K);                     \
     }
-FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0)
-FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1)
+FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0, XQ_PROLOGUE)
+FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1, XQ_PROLOGUE)
+// the same for one row (M == 1), quantized in the main loop; no shared memory beyond the ring
+FLLAMA_INT8_GEMV_XQ(int8_gemv_xq1, 0, XQ_ROW)
+FLLAMA_INT8_GEMV_XQ(int8_gemv_xq1_res, 1, XQ_ROW)
+
+// One row of a deferred RMSNorm, quantized in the main loop (NormQ): (y fp16 [1,N or F], part f32 [1,F/8] (SwiGLU),
+//   row_amax f32 [1] or null (SwiGLU), xg fp16 [1,K], mx f32 [1,C], sq f32 [1,C] or null, static_amax f32 [1] or
+//   null, float eps, int C, zero f32 [1] or null, qweight, w_scale, int M (1), int N (F for the SwiGLU), int K);
+//   grid as int8_gemv_mt1 / _mt1_silu, dynamic shared memory the ring.
+#define FLLAMA_INT8_GEMV_NQ(NAME, EPI)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                        \
+        NAME(__half* y, float* part, float* row_amax, const __half* xg, const float* mx, const float* sq,   \
+             const float* static_amax, float eps, int C, float* zero, const int8_t* qweight,                \
+             const float* w_scale, int M, int N, int K) {                                                    \
+        int8_gemv<1, EPI, XQ_NORM>(y, part, nullptr, nullptr, 0, nullptr, nullptr, 0, row_amax, nullptr,      \
+                                   qweight, w_scale, nullptr, Int8Fold{},                                    \
+                                   NormQ{xg, mx, sq, static_amax, zero, eps, C}, M, N, K);                   \
+    }
+FLLAMA_INT8_GEMV_NQ(int8_gemv_nq1, 0)
+FLLAMA_INT8_GEMV_NQ(int8_gemv_nq1_silu, 2)
 
 // (y fp16 [M,N], acc int32 [M,N], a_scale f32 [M or 1], int a_stride, w_scale f32 [N], residual or null, M, N)
 #define FLLAMA_INT8_DEQUANT(NAME, RES)                                                                     \

@@ -31,7 +31,7 @@ from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, o
 from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_THREADS, cdiv, gemv_grid, gemv_shared, gemv_xq_shared,
                                     token_tile)
 from kernels_cu.norm_fold import FoldOut
-from kernels_cu.quantize import quantize
+from kernels_cu.quantize import quantize, quantize_fold
 
 DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faster one there anyway
 # Rows up to which the decode step defers its int8 quantizations into the GEMVs (engine A/B, LLaMA-2-7B, H200:
@@ -39,8 +39,15 @@ DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faste
 # start, all blocks at once, so the prologue grows with the rows (docs/gpu.md step 15); the kernels take up to 8.
 XQ_MAX_ROWS = 1
 XQ_KERNEL_ROWS = 8
+# One row is quantized in the GEMV's main loop, tile by tile (int8_gemv_xq1*), not in a prologue that every block
+# runs behind a barrier before its first mma (docs/gpu.md step 27); the same codes.
+XQ_ROW_LOOP = True
+# One row of an int8 deferred RMSNorm (NormQuant) is quantized by the GEMV after it (q|k|v, gate|up) in its main
+# loop, from the producer's partials, instead of by a quantize_fold kernel in between (docs/gpu.md step 27).
+NORM_ROW_LOOP = True
+NQ_SIGNATURE = "PPPPPPPfiPPPiii"  # int8_gemv_nq1[_silu]
 SILU_SIGNATURE = "PPPPPiPPiii"  # int8_gemv_mt{1,2}_silu
-XQ_SIGNATURE = "PPPiPPPPPPPPPiii"  # int8_gemv_xq[_res]
+XQ_SIGNATURE = "PPPiPPPPPPPPPiii"  # int8_gemv_xq[1][_res]
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,85 @@ class DeferredQuant:
         """(q int8 [M, K], a_scale fp32 [M]) as quantize() gives for x (the row maxima found again), for a
         consumer that does not take the deferred form."""
         return quantize(self.x, self.static_amax if self.part is None else None)
+
+
+def norm_in_loop(rows: int) -> bool:
+    """Whether the GEMV after an int8 deferred RMSNorm of `rows` rows quantizes it itself (NORM_ROW_LOOP)."""
+    return rows == 1 and NORM_ROW_LOOP
+
+
+@dataclass(frozen=True)
+class NormQuant:
+    """An int8 GEMM input that is an RMSNorm an int8 producer deferred (norm_fold.py), not yet quantized: xg fp16
+    [M, K] = h * w, mx / sq fp32 [M, C] the maxima of |xg| and sums of h^2 over C channel groups (sq None: no norm),
+    eps, static_amax fp32 [1] or None (dynamic) — quantize_fold's inputs; zero fp32 [M] or None: set to 0 by the
+    kernel that quantizes (a later int8_swiglu's row_amax). A one-row GEMV quantizes it in its main loop with
+    quantize_fold's bits (in_loop); otherwise quantized() runs quantize_fold (early: see its docstring)."""
+
+    xg: torch.Tensor
+    mx: torch.Tensor
+    sq: torch.Tensor | None
+    eps: float
+    static_amax: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    early: bool = False
+
+    def in_loop(self) -> bool:
+        return self.xg.dim() == 2 and norm_in_loop(self.xg.shape[0])
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_fold(self.xg, self.mx, self.sq, self.eps, self.static_amax, early=self.early, zero=self.zero)
+
+
+def _norm_launch(nq: NormQuant, qweight: torch.Tensor, w_scale: torch.Tensor, swiglu: bool,
+                 row_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int8_gemv_nq1[_silu] on a one-row NormQuant -> (y [1, N] or [1, F], part [1, F / 8] or None)."""
+    xg, mx, sq = nq.xg, nq.mx, nq.sq
+    K = xg.shape[1]
+    N = _check_weight("xg", 1, K, qweight, w_scale, None)
+    check_tensor(xg, "xg", torch.float16, align=16)
+    if mx.dim() != 2 or mx.shape[0] != 1 or mx.shape[1] == 0:
+        raise ValueError(f"mx must be [1, C] with C > 0, got {tuple(mx.shape)}")
+    C = mx.shape[1]
+    check_tensor(mx, "mx", torch.float32, (1, C), align=4)
+    if sq is not None:
+        check_tensor(sq, "sq", torch.float32, (1, C), align=4)
+    check_static_amax(nq.static_amax)
+    for name, t in (("zero", nq.zero), ("row_amax", row_amax)):
+        if t is not None:
+            check_tensor(t, name, torch.float32, (1,), align=4)
+    if swiglu:
+        check_multiple(N, 16, "a fused gate|up weight's rows")
+        N //= 2
+    with build.on_stream():
+        y = torch.empty((1, N), dtype=torch.float16, device=xg.device)  # [1, N]
+        part = torch.empty((1, N // 8), dtype=torch.float32, device=xg.device) if swiglu else None  # [1, F / 8]
+        fn = build.get_function("int8_gemm.cu", "int8_gemv_nq1_silu" if swiglu else "int8_gemv_nq1", NQ_SIGNATURE)
+        blocks = N // 8 if swiglu else cdiv(N, 16)
+        fn((blocks, 1), (GEMV_THREADS,), y, part, row_amax, xg, mx, sq, nq.static_amax, float(nq.eps), C, nq.zero,
+           qweight, w_scale, 1, N, K, shared=gemv_shared(blocks, GEMV_RING_BYTES))
+    return y, part
+
+
+def int8_gemm_norm(nq: NormQuant, qweight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """int8_gemm of a deferred RMSNorm's output: int8_gemm(*nq.quantized(), qweight, w_scale)'s bits, the
+    quantization in the GEMV at one row."""
+    if not nq.in_loop():
+        return int8_gemm(*nq.quantized(), qweight, w_scale)
+    return _norm_launch(nq, qweight, w_scale, False, None)[0]
+
+
+def int8_swiglu_norm(nq: NormQuant, qweight: torch.Tensor, w_scale: torch.Tensor,
+                     row_amax: torch.Tensor | None = None) -> DeferredQuant:
+    """int8_swiglu of a deferred RMSNorm's output (its bits, the quantization in the GEMV at one row). row_amax
+    must be zero on entry, as for int8_swiglu; nq.zero clears another buffer, never this one (this kernel's own
+    blocks write it)."""
+    if not nq.in_loop():
+        return int8_swiglu(*nq.quantized(), qweight, w_scale, row_amax)
+    if row_amax is not None and nq.zero is not None and row_amax.data_ptr() == nq.zero.data_ptr():
+        raise ValueError("int8_swiglu_norm: the GEMV cannot clear the row max it accumulates (clear it earlier)")
+    y, part = _norm_launch(nq, qweight, w_scale, True, row_amax)
+    return DeferredQuant(y, part, row_amax=row_amax)
 
 
 def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.Tensor,
@@ -92,10 +178,11 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{res}", XQ_SIGNATURE)
+        row_loop = M == 1 and XQ_ROW_LOOP
+        fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{'1' if row_loop else ''}{res}", XQ_SIGNATURE)
         fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1], row_amax,
            xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
-           shared=gemv_shared(cdiv(N, 16), gemv_xq_shared(M, K)))
+           shared=gemv_shared(cdiv(N, 16), GEMV_RING_BYTES if row_loop else gemv_xq_shared(M, K)))
     return y
 
 

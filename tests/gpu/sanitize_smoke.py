@@ -18,7 +18,8 @@ def main() -> None:
     from kernels_cu.norm_fold import FoldOut
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
     from kernels_cu import awq_wgmma
-    from kernels_cu.int8_gemm import int8_gemm
+    from kernels_cu.int8_gemm import (DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred, int8_gemm_norm,
+                                      int8_swiglu_norm)
     from kernels_cu.quantize import quantize
     from kernels_cu.rmsnorm import add_rmsnorm, add_rmsnorm_quant, rmsnorm, rmsnorm_quant
     from kernels_cu.rope_kv import rope_kv, rope_table
@@ -69,6 +70,17 @@ def main() -> None:
                     awq_linear(fe.xg, ap, fold_in=fe.consumer(1e-5))
                     awq_linear(fe.xg, pack_for_gemv(aq, az, asc, swiglu=True), fold_in=fe.consumer(1e-5))
                     wo = r(H, F)
+                    if M == 1:  # the one-row int8 GEMVs that quantize their input in the main loop
+                        f8 = FoldOut.new(r(H), 1, int8=True)
+                        qo, so = quantize_weight_int8(wo.float())
+                        a = r(1, F)
+                        int8_gemm_deferred(DeferredQuant(a, a.float().abs().reshape(1, -1, 8).amax(-1)), qo, so,
+                                           residual=r(1, H), fold_out=f8)  # f8 written: finite xg, sums, maxima
+                        int8_gemm_norm(NormQuant(f8.xg, f8.mx, f8.part, 1e-5, zero=torch.ones(1, device=dev)),
+                                       qw, ws)
+                        qgu, sgu = quantize_weight_int8(r(2 * F, H).float())
+                        int8_swiglu_norm(NormQuant(f8.xg, f8.mx, f8.part, 1e-5), qgu, sgu,
+                                         row_amax=torch.zeros(1, device=dev))
                     fp16_linear(r(M, F), wo, residual=r(M, H), fold_out=FoldOut.new(r(H), M))
                     awq_linear(r(M, F), pack_for_gemv(*quantize_awq(wo.float(), 64)), residual=r(M, H),
                                fold_out=FoldOut.new(r(H), M))

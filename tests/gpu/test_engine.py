@@ -269,6 +269,32 @@ def test_int8_folded_norms_match_the_rmsnorm_kernels(name, scheme, rows):
     assert torch.equal(steps, outs[0])  # the same kernels, with or without the graph
 
 
+@pytest.mark.parametrize("name,scheme", [("gqa4-d64", "int8-dynamic"), ("smol-like", "int8-dynamic"),
+                                         ("mha-d128", "int8-static")])
+def test_one_row_quantized_in_the_gemv_loops_gives_the_same_bits(name, scheme, monkeypatch):
+    """At one row the int8 GEMVs quantize their inputs in their main loops: q|k|v and gate|up the deferred norms
+    from the producers' partials (no quantize_fold kernels; q|k|v clears the SwiGLU's row max), o_proj and down_proj
+    attention's and the SwiGLU's output. Against the quantize_fold kernels and the prologue: the same logits bit for
+    bit over graph replays (every layer and step reuses the row-max buffer) and eager steps."""
+    from kernels_cu import int8_gemm
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS[name]
+    w = checkpoint(config, scheme)
+    tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(8))
+    outs = []
+    for loop in (True, False):
+        monkeypatch.setattr(int8_gemm, "NORM_ROW_LOOP", loop)
+        monkeypatch.setattr(int8_gemm, "XQ_ROW_LOOP", loop)
+        outs.append(decode_steps(Engine(w, EngineConfig(max_len=64)), tokens, 7, max_len=32)[0])
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    monkeypatch.setattr(int8_gemm, "NORM_ROW_LOOP", True)
+    monkeypatch.setattr(int8_gemm, "XQ_ROW_LOOP", True)
+    eager, _ = decode_steps(Engine(w, EngineConfig(max_len=64, use_graphs=False)), tokens, 7, max_len=32)
+    assert torch.equal(eager, outs[1])
+
+
 @pytest.mark.parametrize("scheme,kv_int8", [("fp16", False), ("int8-dynamic", False), ("awq", True)])
 def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
     """Decode with RoPE and the K/V write inside the attention kernel (the default) gives the same bits as

@@ -14,8 +14,8 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu.embedding import embedding, embedding_fold  # noqa: E402
-from kernels_cu.int8_gemm import (DeferredQuant, int8_gemm, int8_gemm_deferred, int8_gemm_ref,  # noqa: E402
-                                  int8_swiglu)
+from kernels_cu.int8_gemm import (DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred,  # noqa: E402
+                                  int8_gemm_norm, int8_gemm_ref, int8_swiglu, int8_swiglu_norm)
 from kernels_cu.norm_fold import INT8_CHANNELS, FoldOut, fold_out_ref, rstd_ref  # noqa: E402
 from kernels_cu.quantize import quantize, quantize_fold, quantize_ref  # noqa: E402
 from kernels_cu.silu_mul import silu_mul  # noqa: E402
@@ -69,6 +69,41 @@ def test_deferred_static_amax(M):
     y = int8_gemm_deferred(DeferredQuant(x, None, amax), qweight, w_scale)
     q, s = quantize_ref(x, amax)
     assert_equal(y, int8_gemm_ref(q, s, qweight, w_scale), f"static M={M}")
+
+
+@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (64, 4096), (1040, 272), (4096, 40)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_one_row_quantized_in_the_loop_equals_the_prologue(monkeypatch, K, N, residual):
+    """int8_gemv_xq1 (one row, quantized tile by tile in the main loop) against int8_gemv_xq (the whole row in a
+    prologue) and the reference: the same bits, with the max from partials (C = 1, 32, K / 8, more than a warp's
+    lanes), from row_amax and static (below the row's max: codes clamp), and the next norm's fold outputs."""
+    import kernels_cu.int8_gemm as int8_gemm_mod
+
+    x = randn(1, K, scale=3.0, seed=K + N)
+    x[0, K - 1] = -11.0  # the max in the last tile: the loop reaches it last
+    x[0, 5] = 1e-4       # a code that rounds to 0
+    qweight, w_scale = codes(N, K, seed=K), scales(N, seed=N) * 0.1
+    res = randn(1, N, seed=K + 1) if residual else None
+    amax = x.float().abs().amax(dim=1)
+    inputs = [DeferredQuant(x, chunk_maxima(x, C)) for C in (1, 32, 40, max(1, K // 8))]
+    unread = torch.empty(1, 7, device="cuda")
+    poison(unread)  # partials the GEMV must not read when it has the row max
+    inputs += [DeferredQuant(x, unread, row_amax=amax),
+               DeferredQuant(x, None, torch.tensor([2.5], device="cuda"))]
+    for i, xq in enumerate(inputs):
+        got = {}
+        for loop in (True, False):
+            monkeypatch.setattr(int8_gemm_mod, "XQ_ROW_LOOP", loop)
+            fold = FoldOut.new(norm_weight(N, 3), 1, int8=True) if residual and N % 64 == 0 else None
+            y = int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=fold)
+            got[loop] = (y, fold)
+        what = f"K={K} N={N} input {i}"
+        assert_equal(got[True][0], got[False][0], what)
+        if got[True][1] is not None:
+            for name in ("xg", "mx", "part"):
+                assert_equal(getattr(got[True][1], name), getattr(got[False][1], name), f"{what}: fold {name}")
+        q, s = quantize_ref(x, xq.static_amax)
+        assert_equal(got[True][0], int8_gemm_ref(q, s, qweight, w_scale, residual=res), f"{what}: reference")
 
 
 def test_deferred_beyond_the_kernel_rows_quantizes_first():
@@ -270,6 +305,62 @@ def test_int8_fold_chain_matches_the_rmsnorm_kernel():
 
     assert err(got) < 1.25 * err(want), (err(got), err(want))
     assert err(got) < 2e-2  # per-token int8 codes of a 4096-wide row: ~1% of the product
+
+
+@pytest.mark.parametrize("K,N", [(4096, 12288), (4096, 40), (64, 4096), (1040, 272), (11008, 64)])
+@pytest.mark.parametrize("mode", ["dynamic", "static", "no-norm"])
+def test_one_row_norm_quantized_in_the_gemv_equals_quantize_fold(K, N, mode):
+    """int8_gemv_nq1 / _nq1_silu (a deferred RMSNorm of one row quantized in the GEMV's main loop from the
+    producer's partials) against quantize_fold then the GEMV: the same bits, for C = K / 8 and other counts (the
+    sums in quantize_fold's order: more than 128 partials wrap its threads), and the `zero` buffer cleared."""
+    xg = randn(1, K, scale=2.5, seed=K + N)
+    xg[0, K - 2] = 13.0  # the max in the last tile
+    h = randn(1, K, seed=K) * 4.0
+    qweight, w_scale = codes(N, K, seed=N), scales(N, seed=K) * 0.1
+    static = torch.tensor([1.5], device="cuda") if mode == "static" else None
+    for C in sorted({1, 40, 200, 513, K // 8}):
+        if C > K:
+            continue
+        mx = chunk_maxima(xg, C)
+        sq = None if mode == "no-norm" else chunk_maxima(h, C) ** 2 * 3.0 + 0.01  # any positive sums
+        zero = torch.full((1,), 7.0, device="cuda")
+        nq = NormQuant(xg, mx, sq, EPS, static, zero)
+        assert nq.in_loop()
+        y = int8_gemm_norm(nq, qweight, w_scale)
+        assert_equal(zero, torch.zeros_like(zero), f"K={K} C={C}: zero cleared")
+        q, s = quantize_fold(xg, mx, sq, EPS, static)
+        assert_equal(y, int8_gemm(q, s, qweight, w_scale), f"{mode} K={K} N={N} C={C}")
+        if N % 16 == 0:
+            row_amax = torch.zeros(1, device="cuda")
+            d = int8_swiglu_norm(NormQuant(xg, mx, sq, EPS, static), qweight, w_scale, row_amax)
+            want = int8_swiglu(q, s, qweight, w_scale)
+            assert_equal(d.x, want.x, f"swiglu {mode} K={K} C={C}")
+            assert_equal(d.part, want.part, f"swiglu maxima {mode} K={K} C={C}")
+            assert_equal(row_amax, want.part.amax(dim=1), f"swiglu row max {mode} K={K} C={C}")
+
+
+def test_norm_quant_beyond_one_row_runs_quantize_fold(monkeypatch):
+    """Two rows, or NORM_ROW_LOOP off: quantize_fold first, the same bits; the SwiGLU GEMV refuses to clear the row
+    max it accumulates."""
+    import kernels_cu.int8_gemm as int8_gemm_mod
+
+    K, N = 1024, 256
+    xg, h = randn(2, K, seed=1), randn(2, K, seed=2)
+    mx, sq = chunk_maxima(xg, K // 8), chunk_maxima(h, K // 8) ** 2
+    qweight, w_scale = codes(N, K, seed=3), scales(N, seed=4)
+    nq = NormQuant(xg, mx, sq, EPS)
+    assert not nq.in_loop()
+    assert_equal(int8_gemm_norm(nq, qweight, w_scale), int8_gemm(*quantize_fold(xg, mx, sq, EPS), qweight, w_scale),
+                 "two rows")
+    one = NormQuant(xg[:1], mx[:1], sq[:1], EPS)
+    want = int8_gemm_norm(one, qweight, w_scale)
+    monkeypatch.setattr(int8_gemm_mod, "NORM_ROW_LOOP", False)
+    assert not one.in_loop()
+    assert_equal(int8_gemm_norm(one, qweight, w_scale), want, "switched off")
+    monkeypatch.setattr(int8_gemm_mod, "NORM_ROW_LOOP", True)
+    buf = torch.zeros(1, device="cuda")
+    with pytest.raises(ValueError, match="cannot clear"):
+        int8_swiglu_norm(NormQuant(xg[:1], mx[:1], sq[:1], EPS, zero=buf), qweight, w_scale, row_amax=buf)
 
 
 def test_int8_fold_rejects_bad_inputs():

@@ -84,7 +84,8 @@ def test_rejects_bad_inputs():
 @pytest.mark.parametrize("cu,name,sig", [
     ("int8_gemm.cu", "int8_gemv_mt1", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_res", "PPPiPPPPPPPiii"),
     ("int8_gemm.cu", "int8_gemv_mt2", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_silu", SILU_SIGNATURE),
-    ("int8_gemm.cu", "int8_gemv_xq_res", XQ_SIGNATURE), ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPf"),
+    ("int8_gemm.cu", "int8_gemv_xq_res", XQ_SIGNATURE), ("int8_gemm.cu", "int8_gemv_xq1_res", XQ_SIGNATURE),
+    ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPf"),
     ("fp16_gemv.cu", "fp16_gemv_mt2_res", "PPPPiiiPPPPf"), ("fp16_gemv.cu", "fp16_gemv_mt1_silu", "PPPPiiiPPPPf")])
 def test_gemv_ring_residency(cu, name, sig):
     """gemv_shared's shared memory: a one-wave grid gets exactly two blocks per SM (never three, which leaves SMs
@@ -95,7 +96,7 @@ def test_gemv_ring_residency(cu, name, sig):
     res = build.get_function(cu, name, sig).resources()
     assert res["local_bytes"] == 0, res
     assert -(-res["registers"] // 8) * 8 * GEMV_THREADS * 2 <= 65536, res
-    need = gemv_xq_shared(1, 4096) if "xq" in name else GEMV_RING_BYTES
+    need = gemv_xq_shared(1, 4096) if "xq_" in name else GEMV_RING_BYTES  # xq1: the ring alone
     per_block = lambda dyn: dyn + res["shared_bytes"] + 1024  # the driver reserves 1 KB a block  # noqa: E731
     one_wave = gemv_shared(256, need, 0)
     assert 2 * per_block(one_wave) <= smem_per_sm(0) < 3 * per_block(one_wave), (res, one_wave)
