@@ -14,7 +14,9 @@
 //   projection's deferred quantization in the epilogue (silu_mul_part's work).
 // int8_gemv_xq[_res]: the same with x in fp16 plus the partial maxima of each token's row: the block quantizes its
 //   rows itself (quantize_fold's work), see XqHook. _res can also write the inputs of the RMSNorm after it
-//   deferred (Int8Fold below).
+//   deferred (Int8Fold below). int8_gemv_xq1[_res]: the same for one row, quantized in the main loop (RowQuantX).
+// int8_gemv_nq1[_silu]: the plain / SwiGLU GEMV of one row of a deferred RMSNorm, quantized in the main loop from
+//   its producer's partials (NormRowHook), with no quantize_fold kernel before it.
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
 #include "gemm_common.cuh"
@@ -197,8 +199,8 @@ struct RowQuantX {
 };
 
 // The int8 deferred RMSNorm of one row read by the GEMV after it (int8_gemv_nq1*, the batch-1 decode step's q|k|v
-// and gate|up) instead of a quantize_fold kernel in between (a launch and a wait per norm, ~1.6 us of each
-// step's 64 on the H100; docs/gpu.md step 27): xg fp16 [1, K] = h * w and its C partial maxima mx and sums of h^2
+// and gate|up) instead of a quantize_fold kernel in between (a launch and a wait per norm: 64 of ~1.3-1.6 us in an
+// H100 step; docs/gpu.md step 27): xg fp16 [1, K] = h * w and its C partial maxima mx and sums of h^2
 // sq, as an Int8Fold producer wrote them. NormRowHook reduces the partials as quantize_fold does, in its order
 // (virtual threads v < 128 sum sq[v], sq[v + 128], ... in turn, then a butterfly per warp of 32, then the four
 // warps in order: the same float), so inv and a_scale are quantize_fold's bits, and RowQuantX quantizes xg tile by
@@ -349,7 +351,8 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
         float inv = 0.0f;
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
             qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
-            NormRowHook{&inv, s_scale, s_red, nq, K}, RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
+            NormRowHook{&inv, s_scale, s_red, nq, K},
+            RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
     } else if constexpr (XQ == XQ_PROLOGUE) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
             qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
@@ -453,14 +456,14 @@ __device__ __forceinline__ void int8_dequant(__half* __restrict__ y, const int* 
 // Arguments of the plain gemv entries: (y fp16 [M,N], q_x int8 [M,K], a_scale f32 [M or 1], int a_stride (1 or 0),
 //   qweight int8 [N,K], w_scale f32 [N], residual fp16 [M,N] or null, fold_w, fold_xg, fold_sq, fold_mx (the next
 //   norm deferred, as the XQ entries'; with the residual only), int M, int N, int K)
-#define FLLAMA_INT8_GEMV(NAME, MT, EPI)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,      \
-             const float* w_scale, const __half* residual, const __half* fold_w, __half* fold_xg,          \
-             float* fold_sq, float* fold_mx, int M, int N, int K) {                                        \
-        int8_gemv<MT, EPI, XQ_NONE>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, nullptr, \
-                                  qweight,                                                                 \
-                                  w_scale, residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K); \
+#define FLLAMA_INT8_GEMV(NAME, MT, EPI)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        NAME(__half* y, const int8_t* qx, const float* a_scale, int a_stride, const int8_t* qweight,                  \
+             const float* w_scale, const __half* residual, const __half* fold_w, __half* fold_xg,                     \
+             float* fold_sq, float* fold_mx, int M, int N, int K) {                                                   \
+        int8_gemv<MT, EPI, XQ_NONE>(y, nullptr, qx, a_scale, a_stride, nullptr, nullptr, 0, nullptr, nullptr,         \
+                                    qweight, w_scale, residual, Int8Fold{fold_w, fold_xg, fold_sq, fold_mx},          \
+                                    NormQ{}, M, N, K);                                                                \
     }
 
 FLLAMA_INT8_GEMV(int8_gemv_mt1, 1, 0)
@@ -471,12 +474,12 @@ FLLAMA_INT8_GEMV(int8_gemv_mt2_res, 2, 1)
 // SwiGLU entries: (y fp16 [M,F], part f32 [M,F/8], row_amax f32 [M] (zero) or null, q_x int8 [M,K], a_scale,
 //   int a_stride, qweight int8 [2F,K] (gate rows, then up rows), w_scale f32 [2F], int M, int F, int K);
 //   grid (F / 8, ceil(M / (8 MT))), block 256.
-#define FLLAMA_INT8_GEMV_SILU(NAME, MT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, float* part, float* row_amax, const int8_t* qx, const float* a_scale, int a_stride, \
-             const int8_t* qweight, const float* w_scale, int M, int F, int K) {                            \
-        int8_gemv<MT, 2, XQ_NONE>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, row_amax, nullptr,     \
-                                qweight, w_scale, nullptr, Int8Fold{}, NormQ{}, M, F, K);                            \
+#define FLLAMA_INT8_GEMV_SILU(NAME, MT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        NAME(__half* y, float* part, float* row_amax, const int8_t* qx, const float* a_scale, int a_stride,           \
+             const int8_t* qweight, const float* w_scale, int M, int F, int K) {                                      \
+        int8_gemv<MT, 2, XQ_NONE>(y, part, qx, a_scale, a_stride, nullptr, nullptr, 0, row_amax, nullptr,             \
+                                  qweight, w_scale, nullptr, Int8Fold{}, NormQ{}, M, F, K);                           \
     }
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt1_silu, 1)
 FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
@@ -487,14 +490,14 @@ FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
 //   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K);
 //   M <= 8 per grid row; dynamic shared memory: min(M, 8) * K bytes rounded up to 128, then the main loop's ring
 //   (gemm_shapes.gemv_xq_shared).
-#define FLLAMA_INT8_GEMV_XQ(NAME, EPI, MODE)                                                               \
-    extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, const __half* x, const float* part, int C, const float* row_amax,                 \
-             const float* static_amax, const int8_t* qweight, const float* w_scale, const __half* residual, \
-             const __half* fold_w, __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {  \
-        int8_gemv<1, EPI, MODE>(y, nullptr, nullptr, nullptr, 0, x, part, C, const_cast<float*>(row_amax),  \
-                                static_amax, qweight, w_scale, residual,                                   \
-                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K);                     \
+#define FLLAMA_INT8_GEMV_XQ(NAME, EPI, MODE)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        NAME(__half* y, const __half* x, const float* part, int C, const float* row_amax,                             \
+             const float* static_amax, const int8_t* qweight, const float* w_scale, const __half* residual,           \
+             const __half* fold_w, __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {            \
+        int8_gemv<1, EPI, MODE>(y, nullptr, nullptr, nullptr, 0, x, part, C, const_cast<float*>(row_amax),            \
+                                static_amax, qweight, w_scale, residual,                                              \
+                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K);                       \
     }
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0, XQ_PROLOGUE)
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1, XQ_PROLOGUE)
@@ -506,25 +509,25 @@ FLLAMA_INT8_GEMV_XQ(int8_gemv_xq1_res, 1, XQ_ROW)
 //   row_amax f32 [1] or null (SwiGLU), xg fp16 [1,K], mx f32 [1,C], sq f32 [1,C] or null, static_amax f32 [1] or
 //   null, float eps, int C, zero f32 [1] or null, qweight, w_scale, int M (1), int N (F for the SwiGLU), int K);
 //   grid as int8_gemv_mt1 / _mt1_silu, dynamic shared memory the ring.
-#define FLLAMA_INT8_GEMV_NQ(NAME, EPI)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256)                                                        \
-        NAME(__half* y, float* part, float* row_amax, const __half* xg, const float* mx, const float* sq,   \
-             const float* static_amax, float eps, int C, float* zero, const int8_t* qweight,                \
-             const float* w_scale, int M, int N, int K) {                                                    \
-        int8_gemv<1, EPI, XQ_NORM>(y, part, nullptr, nullptr, 0, nullptr, nullptr, 0, row_amax, nullptr,      \
-                                   qweight, w_scale, nullptr, Int8Fold{},                                    \
-                                   NormQ{xg, mx, sq, static_amax, zero, eps, C}, M, N, K);                   \
+#define FLLAMA_INT8_GEMV_NQ(NAME, EPI)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        NAME(__half* y, float* part, float* row_amax, const __half* xg, const float* mx, const float* sq,             \
+             const float* static_amax, float eps, int C, float* zero, const int8_t* qweight,                          \
+             const float* w_scale, int M, int N, int K) {                                                             \
+        int8_gemv<1, EPI, XQ_NORM>(y, part, nullptr, nullptr, 0, nullptr, nullptr, 0, row_amax, nullptr,              \
+                                   qweight, w_scale, nullptr, Int8Fold{},                                             \
+                                   NormQ{xg, mx, sq, static_amax, zero, eps, C}, M, N, K);                            \
     }
 FLLAMA_INT8_GEMV_NQ(int8_gemv_nq1, 0)
 FLLAMA_INT8_GEMV_NQ(int8_gemv_nq1_silu, 2)
 
 // (y fp16 [M,N], acc int32 [M,N], a_scale f32 [M or 1], int a_stride, w_scale f32 [N], residual or null, M, N)
-#define FLLAMA_INT8_DEQUANT(NAME, RES)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256)                                                      \
-        NAME(__half* y, const int* acc, const float* a_scale, int a_stride, const float* w_scale,         \
-             const __half* residual, int M, int N) {                                                       \
-        pdl_enter();                                                                                       \
-        int8_dequant<RES>(y, acc, a_scale, a_stride, w_scale, residual, M, N);                             \
+#define FLLAMA_INT8_DEQUANT(NAME, RES)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                                 \
+        NAME(__half* y, const int* acc, const float* a_scale, int a_stride, const float* w_scale,                     \
+             const __half* residual, int M, int N) {                                                                  \
+        pdl_enter();                                                                                                  \
+        int8_dequant<RES>(y, acc, a_scale, a_stride, w_scale, residual, M, N);                                        \
     }
 
 FLLAMA_INT8_DEQUANT(int8_dequant, false)

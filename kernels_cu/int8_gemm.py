@@ -119,6 +119,8 @@ def _norm_launch(nq: NormQuant, qweight: torch.Tensor, w_scale: torch.Tensor, sw
     with build.on_stream():
         y = torch.empty((1, N), dtype=torch.float16, device=xg.device)  # [1, N]
         part = torch.empty((1, N // 8), dtype=torch.float32, device=xg.device) if swiglu else None  # [1, F / 8]
+        if N == 0:
+            return y, part
         fn = build.get_function("int8_gemm.cu", "int8_gemv_nq1_silu" if swiglu else "int8_gemv_nq1", NQ_SIGNATURE)
         blocks = N // 8 if swiglu else cdiv(N, 16)
         fn((blocks, 1), (GEMV_THREADS,), y, part, row_amax, xg, mx, sq, nq.static_amax, float(nq.eps), C, nq.zero,
