@@ -118,6 +118,23 @@ __device__ __forceinline__ void quantize_store8(int8_t* p, const Half8& v, float
     *reinterpret_cast<uint2*>(p) = quantize_pack8(v, inv);
 }
 
+// The scales of a deferred int8 RMSNorm's row (norm_fold.py), from the max of its partial maxima of |xg| (amax) and
+// the sum of its partial sums of h^2 (sum; has_norm false: no norm, rstd = 1) or a static amax: inv = 127 / amax
+// (times rstd when static) quantizes xg, scale = amax / 127 (times rstd when dynamic) is a_scale. One expression
+// for quantize.cu's quantize_fold and int8_gemm.cu's NormRowHook, so both give the same bits.
+__device__ __forceinline__ void fold_scales(float amax, float sum, bool has_norm, const float* static_amax, int K,
+                                            float eps, float& inv, float& scale) {
+    amax = clamp_amax(static_amax == nullptr ? amax : *static_amax);
+    inv = __fdiv_rn(127.0f, amax);
+    scale = __fdiv_rn(amax, 127.0f);
+    if (has_norm) {
+        const float rstd = rsqrtf(__fdividef(sum, (float)K) + eps);  // as norm_fold.cuh's fold_rstd
+        const bool dynamic = static_amax == nullptr;
+        scale = dynamic ? scale * rstd : scale;
+        inv = dynamic ? inv : inv * rstd;
+    }
+}
+
 __device__ __forceinline__ float half8_absmax(const Half8& v) {
     float m = 0.0f;
 #pragma unroll

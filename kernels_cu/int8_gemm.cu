@@ -250,16 +250,8 @@ struct NormRowHook {
             amax = fmaxf(amax, s_red[4 + w]);
             sum += s_red[w];
         }
-        amax = clamp_amax(nq.static_amax == nullptr ? amax : *nq.static_amax);
-        float q_inv = __fdiv_rn(127.0f, amax), scale = __fdiv_rn(amax, 127.0f);
-        if (nq.sq != nullptr) {
-            const float rstd = rsqrtf(__fdividef(sum, (float)K) + nq.eps);  // as quantize_fold
-            if (nq.static_amax == nullptr) {
-                scale *= rstd;
-            } else {
-                q_inv *= rstd;
-            }
-        }
+        float q_inv, scale;
+        fold_scales(amax, sum, nq.sq != nullptr, nq.static_amax, K, nq.eps, q_inv, scale);  // quantize_fold's
         *inv = q_inv;
         if (tid == 0) *s_scale = scale;
     }
@@ -341,18 +333,18 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     auto mma = [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
         mma_s8_16832(c, a0, a1, a2, a3, b0, b1);
     };
-    if constexpr (XQ == XQ_ROW) {
-        float inv = 0.0f;
-        gemv_mainloop<WARPS, UNROLL, TILE_K>(
-            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
-            XqRowHook{&inv, s_scale, part_in, static_amax, row_amax, C, m0},
-            RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
-    } else if constexpr (XQ == XQ_NORM) {
-        float inv = 0.0f;
-        gemv_mainloop<WARPS, UNROLL, TILE_K>(
-            qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,
-            NormRowHook{&inv, s_scale, s_red, nq, K},
-            RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
+    if constexpr (XQ == XQ_ROW || XQ == XQ_NORM) {
+        float inv = 0.0f;  // the row's 127 / amax, which the hook finds and RowQuantX reads
+        auto hook = [&] {
+            if constexpr (XQ == XQ_ROW) {
+                return XqRowHook{&inv, s_scale, part_in, static_amax, row_amax, C, m0};
+            } else {
+                return NormRowHook{&inv, s_scale, s_red, nq, K};
+            }
+        };
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M,
+                                             acc, mma, hook(),
+                                             RowQuantX{reinterpret_cast<const int8_t*>(x16), x16, &inv, g, t});
     } else if constexpr (XQ == XQ_PROLOGUE) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(
             qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M, acc, mma,

@@ -31,7 +31,7 @@ from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, o
 from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_THREADS, cdiv, gemv_grid, gemv_shared, gemv_xq_shared,
                                     token_tile)
 from kernels_cu.norm_fold import FoldOut
-from kernels_cu.quantize import quantize, quantize_fold
+from kernels_cu.quantize import check_fold_inputs, quantize, quantize_fold
 
 DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faster one there anyway
 # Rows up to which the decode step defers its int8 quantizations into the GEMVs (engine A/B, LLaMA-2-7B, H200:
@@ -100,19 +100,11 @@ def _norm_launch(nq: NormQuant, qweight: torch.Tensor, w_scale: torch.Tensor, sw
                  row_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """int8_gemv_nq1[_silu] on a one-row NormQuant -> (y [1, N] or [1, F], part [1, F / 8] or None)."""
     xg, mx, sq = nq.xg, nq.mx, nq.sq
-    K = xg.shape[1]
+    _, K, C = check_fold_inputs(xg, mx, sq, nq.static_amax, nq.zero)  # one row: in_loop()
     N = _check_weight("xg", 1, K, qweight, w_scale, None)
-    check_tensor(xg, "xg", torch.float16, align=16)
-    if mx.dim() != 2 or mx.shape[0] != 1 or mx.shape[1] == 0:
-        raise ValueError(f"mx must be [1, C] with C > 0, got {tuple(mx.shape)}")
-    C = mx.shape[1]
-    check_tensor(mx, "mx", torch.float32, (1, C), align=4)
-    if sq is not None:
-        check_tensor(sq, "sq", torch.float32, (1, C), align=4)
-    check_static_amax(nq.static_amax)
-    for name, t in (("zero", nq.zero), ("row_amax", row_amax)):
-        if t is not None:
-            check_tensor(t, name, torch.float32, (1,), align=4)
+    check_tensor(xg, "xg", torch.float16, align=16)  # the lanes' 4-byte reads of it
+    if row_amax is not None:
+        check_tensor(row_amax, "row_amax", torch.float32, (1,), align=4)
     if swiglu:
         check_multiple(N, 16, "a fused gate|up weight's rows")
         N //= 2

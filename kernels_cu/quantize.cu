@@ -116,16 +116,8 @@ __device__ __forceinline__ void quantize_fold_rows(int8_t* __restrict__ q, float
         amax = fmaxf(amax, s_max[w]);
         sum += s_sum[w];
     }
-    amax = clamp_amax(static_amax == nullptr ? amax : *static_amax);
-    float inv = __fdiv_rn(127.0f, amax), scale = __fdiv_rn(amax, 127.0f);
-    if (sq != nullptr) {
-        const float rstd = rsqrtf(__fdividef(sum, (float)K) + eps);  // as norm_fold.cuh's fold_rstd
-        if (static_amax == nullptr) {
-            scale *= rstd;
-        } else {
-            inv *= rstd;
-        }
-    }
+    float inv, scale;
+    fold_scales(amax, sum, sq != nullptr, static_amax, K, eps, inv, scale);
     if (c < K / 8) quantize_store8(q + row * K + 8 * c, v, inv);
     if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = scale;
 }

@@ -60,19 +60,9 @@ PARTS_VALUES = 128 * 8  # quantize_fold: 128 threads of 8 values a block
 FOLD_SIGNATURE = "PPPPPPifiP"  # quantize_fold[_early]
 
 
-def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None, eps: float,
-                  static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
-                  a_scale: torch.Tensor | None = None, early: bool = False,
-                  zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantized output of an RMSNorm deferred into an int8 producer (norm_fold.py): xg fp16 [T, K] = h * w,
-    mx / sq fp32 [T, C] the maxima of |xg| and sums of h^2 over C channel groups -> (q int8 [T, K], a_scale fp32
-    [T]) of rstd * xg, rstd = 1 / sqrt(sum(sq) / K + eps). Dynamic: xg's codes by its own max (quantize()'s bits
-    of xg) and a_scale * rstd; static: the codes of rstd * xg by the static amax. sq None: no norm, quantize()'s
-    bits of xg from its partial maxima (silu_mul_part's one per block, the int8 SwiGLU GEMV's one per 8 channels).
-    q / a_scale: outputs to write, else new. early: under programmatic launch the next kernel may start before
-    this one's wait, while the kernel before it still runs (quantize.cu EARLY): only where the next kernel is an
-    int8 decode GEMV, which reads nothing but its weights before its own wait. zero fp32 [T]: set to 0 by the
-    kernel (after its wait), for the next GEMV's row-max accumulator (int8_swiglu's row_amax)."""
+def check_fold_inputs(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None,
+                      static_amax: torch.Tensor | None, zero: torch.Tensor | None) -> tuple[int, int, int]:
+    """quantize_fold's inputs (also what int8_gemm's one-row NormQuant GEMVs read) -> (T, K, C)."""
     if xg.dim() != 2:
         raise ValueError(f"xg must be [T, K], got shape {tuple(xg.shape)}")
     T, K = xg.shape
@@ -87,6 +77,23 @@ def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None, e
     check_static_amax(static_amax)
     if zero is not None:
         check_tensor(zero, "zero", torch.float32, (T,), align=4)
+    return T, K, C
+
+
+def quantize_fold(xg: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None, eps: float,
+                  static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                  a_scale: torch.Tensor | None = None, early: bool = False,
+                  zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized output of an RMSNorm deferred into an int8 producer (norm_fold.py): xg fp16 [T, K] = h * w,
+    mx / sq fp32 [T, C] the maxima of |xg| and sums of h^2 over C channel groups -> (q int8 [T, K], a_scale fp32
+    [T]) of rstd * xg, rstd = 1 / sqrt(sum(sq) / K + eps). Dynamic: xg's codes by its own max (quantize()'s bits
+    of xg) and a_scale * rstd; static: the codes of rstd * xg by the static amax. sq None: no norm, quantize()'s
+    bits of xg from its partial maxima (silu_mul_part's one per block, the int8 SwiGLU GEMV's one per 8 channels).
+    q / a_scale: outputs to write, else new. early: under programmatic launch the next kernel may start before
+    this one's wait, while the kernel before it still runs (quantize.cu EARLY): only where the next kernel is an
+    int8 decode GEMV, which reads nothing but its weights before its own wait. zero fp32 [T]: set to 0 by the
+    kernel (after its wait), for the next GEMV's row-max accumulator (int8_swiglu's row_amax)."""
+    T, K, C = check_fold_inputs(xg, mx, sq, static_amax, zero)
     q = out_or_new(q, (T, K), torch.int8, xg, "q", align=8)  # [T, K]
     a_scale = out_or_new(a_scale, (T,), torch.float32, xg, "a_scale", align=4)  # [T]
     if T:
