@@ -43,6 +43,9 @@ ENTRY_POINTS = {
     "awq_batch.cu": [f"awq_batch_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4)
                      for e in ("plain", "res", "silu")],
     "int8_wgmma.cu": ["int8_wgmma", "int8_wgmma_res"],
+    "int8_gemm.cu": [f"int8_gemv_mt{m}{e}" for m in (1, 2) for e in ("", "_res", "_silu")]
+                    + [f"int8_gemv_xq{r}{e}" for r in ("", "1") for e in ("", "_res")]
+                    + ["int8_gemv_nq1", "int8_gemv_nq1_silu", "int8_dequant", "int8_dequant_res"],
     "awq_wgmma.cu": ["awq_wgmma_plain", "awq_wgmma_res", "awq_wgmma_silu"],
     "embedding.cu": [f"embedding{v}_{t}" for v in ("", "_fold", "_fold8") for t in ("i32", "i64")],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
