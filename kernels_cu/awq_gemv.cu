@@ -224,42 +224,47 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
     __syncthreads();  // red, and the deferred norm's s_rstd
 
-    // Thread (r, l) sums accumulator r of lane l over the warps in a fixed order (deterministic): warps 0-3.
+    // Thread (r, l) sums accumulator r of lane l over the warps in a fixed order (deterministic): warps 0-3; with
+    // fewer warps each thread takes r = warp, warp + W, ... in turn.
     if (W > 4 && warp >= 4) return;
-    const int r = warp, l = lane;
+    const int l = lane;
     auto red_sum = [&](int mt, int rr) {
         float sum = 0.0f;
 #pragma unroll
         for (int w = 0; w < W; ++w) sum += red[w][mt][rr][l];
         return sum;
     };
-    if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
-        if (r >= 2) return;                // warp-uniform
+    auto epilogue = [&](int r) {
+        if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
+            if (r >= 2) return;                // warp-uniform
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            fold_store(y, fold_xg, fold_part, residual, nw, red_sum(mt, r), red_sum(mt, r + 2),
-                       m0 + mt * 8 + 2 * (l & 3) + (r & 1), M, N, panel * 16 + (l >> 2), panel);
-        return;
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
-        if (m >= M) continue;
-        const float rstd = fold_in != nullptr ? s_rstd[m - m0] : 1.0f;
-        auto total = [&](int rr) { return fold_in != nullptr ? red_sum(mt, rr) * rstd : red_sum(mt, rr); };
-        if (EPI == 2) {  // rows g (r 0, 1) are gate channels, rows g + 8 (r 2, 3) the matching up channels
-            if (r < 2) {
-                const int f = panel * 8 + (l >> 2);
-                const __half gate = __float2half_rn(total(r)), up = __float2half_rn(total(r + 2));
-                y[(size_t)m * (N / 2) + f] = __hmul_rn(silu_h(__half2float(gate)), up);
-            }
-        } else {
-            const int n = panel * 16 + (l >> 2) + (r >= 2 ? 8 : 0);
-            const size_t o = (size_t)m * N + n;
-            const __half h = __float2half_rn(total(r));
-            y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;
+            for (int mt = 0; mt < MT; ++mt)
+                fold_store(y, fold_xg, fold_part, residual, nw, red_sum(mt, r), red_sum(mt, r + 2),
+                           m0 + mt * 8 + 2 * (l & 3) + (r & 1), M, N, panel * 16 + (l >> 2), panel);
+            return;
         }
-    }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+            if (m >= M) continue;
+            const float rstd = fold_in != nullptr ? s_rstd[m - m0] : 1.0f;
+            auto total = [&](int rr) { return fold_in != nullptr ? red_sum(mt, rr) * rstd : red_sum(mt, rr); };
+            if (EPI == 2) {  // rows g (r 0, 1) are gate channels, rows g + 8 (r 2, 3) the matching up channels
+                if (r < 2) {
+                    const int f = panel * 8 + (l >> 2);
+                    const __half gate = __float2half_rn(total(r)), up = __float2half_rn(total(r + 2));
+                    y[(size_t)m * (N / 2) + f] = __hmul_rn(silu_h(__half2float(gate)), up);
+                }
+            } else {
+                const int n = panel * 16 + (l >> 2) + (r >= 2 ? 8 : 0);
+                const size_t o = (size_t)m * N + n;
+                const __half h = __float2half_rn(total(r));
+                y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;
+            }
+        }
+    };
+#pragma unroll
+    for (int r = warp; r < 4; r += W < 4 ? W : 4) epilogue(r);
 }
 
 // w_hat [N, K] = fp16((q - z) * s): one thread per 16 bytes of w_hat (8 consecutive k of one channel, which
@@ -322,11 +327,17 @@ FLLAMA_AWQ_GEMV_EPIS(1, 1, 2, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3, 3) FLLAMA_AWQ_GEM
 FLLAMA_AWQ_GEMV_GROUPS(2, 2)
 FLLAMA_AWQ_GEMV_GROUPS(4, 1)
 // W = 8 warps per panel (block 256, two resident: the same 16 warps per SM), 8 tokens, groups of 128, for
-// grids of few panels (awq_gemv.py WIDE_WAVES): LLaMA-2-7B's o_proj / down_proj have 256 panels, which at
+// grids of one wave of them (awq_gemv.py gemv_warps): LLaMA-2-7B's o_proj / down_proj have 256 panels, which at
 // 4 warps left every SM with about two blocks, half its warp slots; at 8 each warp streams half the tiles.
 FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 8, 2, plain_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 8, 2, res_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 8, 2, silu_w8)
+// W = 2 warps per panel (block 64, eight resident: the same 16 warps per SM), 8 tokens, groups of 128, for grids
+// of one wave of them (gemv_warps: LLaMA-2-7B's q|k|v, 768 panels); the epilogue's threads each write two of a
+// lane's four accumulators.
+FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 2, 8, plain_w2)
+FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 2, 8, res_w2)
+FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 2, 8, silu_w2)
 
 // (w_hat fp16 [N,K], packed, terms, int N, int K, int tiles); one thread per 16 bytes of w_hat
 #define FLLAMA_AWQ_PACKED_DEQUANT(GPT)                                                                      \

@@ -35,13 +35,18 @@ BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) in
 # H200, LLaMA-2-7B, 2048-token prefill: awq 39,309 -> 43,152 / 42,910 tok/s (fp16 42,432 / 42,438 in the same runs).
 FUSED_PREFILL = True
 THREADS = 128
-# 8 warps per panel (the *_w8 entries: up to 8 tokens, groups of 128) where the 4-warp grid is at most
-# WIDE_WAVES waves of four resident blocks per SM: the same 16 warps per SM then each stream half a panel,
-# and few panels no longer leave SMs with half their warps. Engine A/B, LLaMA-2-7B awq on an H200, decode
-# tok/s at batch 1 / 4 / 8: o_proj + down_proj (256 panels, 0.5 waves) +2.8 / +2.1 / +1.2%; q|k|v on top
-# (768, 1.45 waves) +0.6 / +1.1 / +1.6%; gate|up (1376, 2.6 waves) -5.6 / -4.7 / -3.1% (each block's
-# reduction and epilogue are paid twice as often). This rule (o, down, q|k|v) against none: +3.7 / +3.1 / +2.7%.
-WIDE_WAVES = 1.5
+# Warps per panel at up to 8 tokens with groups of 128 (gemv_warps): the widest block whose grid is one wave at
+# the same 16 warps per SM, else 4. 8 warps (the *_w8 entries, two blocks a SM) where the panels fit one wave of
+# them (LLaMA-2-7B's o_proj / down_proj: 256 panels on 132 SMs, which at 4 warps left every SM with about two
+# blocks, half its warp slots; eleventh session, engine A/B on an H200: +2.8 / +2.1 / +1.2% at batch 1 / 4 / 8).
+# 2 warps (*_w2, eight a SM) where the panels fit one wave of those (q|k|v, 768; each warp streams 16 tiles). Our
+# reading, not measured apart: no block then starts behind another, cold, in the grid's tail. Twenty-eighth session, engine A/B of q|k|v, decode tok/s against 8 warps (the rule before,
+# WIDE_WAVES): H200 +2.8 / +3.1 / +0.4 / +0.7 / +2.0% at batch 1 / 2 / 3 / 4 / 8 (against 4 warps +1.7 / +2.6% at
+# 1 / 2), H100 +1.5 / +1.2 / +2.1% at 1 / 2 / 8. gate|up (1376 panels) stays on 4: on 2 warps (1.3 waves) -3.7%
+# at batch 1 (H200), on 1 (one wave of 1-warp blocks, 10.4 warps a SM) -3.9% (H100; +2.5% at batch 8), on 8
+# -5.6% (each block's reduction and epilogue paid twice as often).
+TWO_WARPS = True
+WIDE_WAVES = 1.5  # TWO_WARPS off (the rule before, for A/B): 8 warps up to 1.5 waves of 4-warp blocks
 # y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPPiiiiPPPPf"
 # Position r (0..7) of a word's eight values (mma 2w: r 0-3, mma 2w + 1: r 4-7) lives in nibble NIBBLE_OF[r].
@@ -221,11 +226,21 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
         if not _fold_compiled(mt, p.gpt) and (fold_in is not None or fold_out is not None):
             raise ValueError(f"the AWQ GEMV variant for {M} rows and groups of {p.gs} k takes no deferred RMSNorm")
         name = f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}"
-        wide = mt == 1 and p.gpt == 1 and p.n // PANEL <= WIDE_WAVES * 4 * sm_count(x.device.index)
-        fn = build.get_function("awq_gemv.cu", name + ("_w8" if wide else ""), SIGNATURE)
-        fn(gemv_grid(M, p.n), (2 * THREADS if wide else THREADS,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
+        warps = gemv_warps(p.n // PANEL, sm_count(x.device.index)) if mt == 1 and p.gpt == 1 else 4
+        fn = build.get_function("awq_gemv.cu", name + ("" if warps == 4 else f"_w{warps}"), SIGNATURE)
+        fn(gemv_grid(M, p.n), (32 * warps,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
            p.tiles, *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
     return y
+
+
+def gemv_warps(panels: int, sms: int) -> int:
+    """Warps per panel (8, 2 or 4) of a GEMV of up to 8 rows (groups of 128) over `panels` 16-channel panels on a
+    GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM (TWO_WARPS, WIDE_WAVES)."""
+    if panels <= 2 * sms:
+        return 8
+    if TWO_WARPS and panels <= 8 * sms:
+        return 2
+    return 8 if panels <= WIDE_WAVES * 4 * sms else 4
 
 
 def gemv_grid(m: int, n: int) -> tuple[int, int]:

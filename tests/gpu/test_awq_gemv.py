@@ -16,8 +16,8 @@ if not GPU_STACK:
 
 from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
 from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
-from kernels_cu.awq_gemv import (GEMV_MAX_M, SIGNATURE, THREADS, WIDE_WAVES, awq_gemv, awq_linear,  # noqa: E402
-                                 awq_linear_ref, awq_packed_dequantize, pack_for_gemv)
+from kernels_cu.awq_gemv import (GEMV_MAX_M, SIGNATURE, THREADS, awq_gemv, awq_linear,  # noqa: E402
+                                 awq_linear_ref, awq_packed_dequantize, gemv_warps, pack_for_gemv)
 from kernels_cu import build  # noqa: E402
 from kernels_cu.gemm_shapes import cdiv, sm_count  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order  # noqa: E402
@@ -68,8 +68,9 @@ def test_fused_residual(M):
 @pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (4096, 12288), (4096, 22016)])
 @pytest.mark.parametrize("M", [1, 3, 8])
 def test_eight_warp_entries(M, K, N, epi, monkeypatch):
-    """The 8-warp entries (grids of at most WIDE_WAVES waves): one full step (K 2048), full steps and a guarded
-    last step (11008: 86 tiles over steps of 16); the widest shape stays on the 4-warp entry."""
+    """The 8- and 2-warp entries (gemv_warps: the widest block whose grid is one wave): one full step (K 2048),
+    full steps and a guarded last step (11008: 86 tiles over steps of 16); the widest shape stays on the 4-warp
+    entry."""
     qweight, qzeros, scales = awq_tensors(K, N, 128, seed=M + K + N)
     p = pack_for_gemv(qweight, qzeros, scales, swiglu=epi == "silu")
     x, res = randn(M, K, seed=M), (randn(M, N, seed=M + 1) if epi == "res" else None)
@@ -78,8 +79,8 @@ def test_eight_warp_entries(M, K, N, epi, monkeypatch):
     y = torch.empty(M, N // 2 if epi == "silu" else N, dtype=torch.float16, device="cuda")
     poison(y)
     awq_linear(x, p, residual=res, out=y)
-    wide = N // 16 <= WIDE_WAVES * 4 * sm_count()
-    assert names == [f"awq_gemv_mt1_g1_{epi}" + ("_w8" if wide else "")], names
+    warps = gemv_warps(N // 16, sm_count())
+    assert names == [f"awq_gemv_mt1_g1_{epi}" + ("" if warps == 4 else f"_w{warps}")], names
     ref = awq_linear_ref(x, p, residual=res)
     if epi == "silu":
         gu = awq_linear_ref(x, pack_for_gemv(qweight, qzeros, scales))  # [M, N]: gate | up
@@ -154,9 +155,10 @@ def test_gemv_resources(mt, gpt, epi):
 
 
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
-def test_eight_warp_entry_resources(epi):
-    """The 8-warp entries: no spills, and two 256-thread blocks per SM (the same 16 warps as four 4-warp
-    blocks)."""
-    res = build.get_function("awq_gemv.cu", f"awq_gemv_mt1_g1_{epi}_w8", SIGNATURE).resources()
+@pytest.mark.parametrize("warps", [8, 2])
+def test_eight_and_two_warp_entry_resources(epi, warps):
+    """The 8- and 2-warp entries: no spills, and the same 16 warps per SM as four 4-warp blocks (two 256-thread
+    blocks, eight 64-thread ones)."""
+    res = build.get_function("awq_gemv.cu", f"awq_gemv_mt1_g1_{epi}_w{warps}", SIGNATURE).resources()
     assert res["local_bytes"] == 0, res
-    assert cdiv(res["registers"], 8) * 8 * 2 * THREADS * 2 <= 65536, res
+    assert cdiv(res["registers"], 8) * 8 * 32 * warps * (16 // warps) <= 65536, res
