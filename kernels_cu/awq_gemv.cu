@@ -6,9 +6,9 @@
 // directly (awq_gemm.cu) is instruction-bound at ~40-50% of the bandwidth. Here every lane's 16 bytes
 // are already 32 k-values of ONE output channel, nibbles placed so that the four LOP3 extractions of a
 // word give A-fragment pairs of an m16n8k16 mma as they come:
-//   block = W = 4 (or 8, the *_w8 entries) warps on a panel of 16 output channels (rows g and g + 8 of the
-//   mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and meeting in shared memory
-//   at the end (warps 0-3 sum and write);
+//   block = W = 4 (or 8 / 2, the *_w8 / *_w2 entries) warps on a panel of 16 output channels (rows g and g + 8
+//   of the mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and meeting in shared
+//   memory at the end (warps 0-3 sum and write; with 2 warps each thread two of the four sums);
 //   a 128-k tile of the panel is 1 KB: [h = row g | row g + 8][lane][4 words];
 //   lane (g, t)'s 32 values of a tile are, for each group q of the tile (GS = 128 / GPT k's), the GS / 4
 //   consecutive k's k0 + q * GS + t * GS / 4 ...: its activations are 64 contiguous bytes per group-run,
@@ -27,8 +27,8 @@
 // this GEMV a producer (also xg = fp16(h * fold_w) and the panel's sum of h^2); fold_in a consumer (x is xg,
 // each token's sums scaled by its rstd before rounding).
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
-//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w8
-//   the same with block 256.
+//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w8 /
+//   *_w2 the same with block 256 / 64.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
 #include "common.cuh"
@@ -235,7 +235,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         return sum;
     };
     auto epilogue = [&](int r) {
-        if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
+        if (EPI == 1 && fold_w != nullptr) {  // producer: rows r and r + 2 (channels g, g + 8) of a token
             if (r >= 2) return;                // warp-uniform
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)

@@ -82,7 +82,7 @@ def test_shapes_the_kernel_takes():
 
 def test_warps_per_panel_for_the_7b_decode_shapes():
     """LLaMA-2-7B on 132 SMs (H100 / H200 SXM): o_proj / down_proj (256 panels: one wave of 8-warp blocks, two a
-    SM) on 8 warps, q|k|v (768: one wave of 2-warp blocks, eight a SM) on 2, gate|up (1376) on 4 (measured,
-    awq_gemv.py). On 114 SMs (H100 PCIe) the 256 panels are more than a wave of 8-warp blocks: 2 warps."""
+    SM) on 8 warps, q|k|v (768: one wave of 2-warp blocks, eight a SM) on 2, gate|up (1376) on 4 (the engine A/B
+    in awq_gemv.py). On 114 SMs (H100 PCIe) the 256 panels are more than a wave of 8-warp blocks: 2 warps."""
     assert [gemv_warps(p, 132) for p in (256, 768, 1376)] == [8, 2, 4]
     assert [gemv_warps(p, 114) for p in (256, 768, 1376)] == [2, 2, 4]

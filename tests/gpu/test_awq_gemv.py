@@ -67,7 +67,7 @@ def test_fused_residual(M):
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
 @pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (4096, 12288), (4096, 22016)])
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_eight_warp_entries(M, K, N, epi, monkeypatch):
+def test_eight_and_two_warp_entries(M, K, N, epi, monkeypatch):
     """The 8- and 2-warp entries (gemv_warps: the widest block whose grid is one wave): one full step (K 2048),
     full steps and a guarded last step (11008: 86 tiles over steps of 16); the widest shape stays on the 4-warp
     entry."""
