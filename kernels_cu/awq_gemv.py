@@ -39,15 +39,19 @@ THREADS = 128
 # the same 16 warps per SM, else 4. 8 warps (the *_w8 entries, two blocks a SM) where the panels fit one wave of
 # them (LLaMA-2-7B's o_proj / down_proj: 256 panels on 132 SMs, which at 4 warps left every SM with about two
 # blocks, half its warp slots; eleventh session, engine A/B on an H200: +2.8 / +2.1 / +1.2% at batch 1 / 4 / 8).
-# 2 warps (*_w2, eight a SM) where the panels fit one wave of those (q|k|v, 768; each warp streams 16 tiles).
+# 2 warps (*_w2, eight a SM) where the panels fit one wave of those and fill most of it (q|k|v, 768: 11.6 warps a
+# SM; each warp streams 16 tiles).
 # Twenty-eighth session, engine A/B of q|k|v, decode tok/s against 8 warps (the rule before, WIDE_WAVES): H200
 # +2.8 / +3.1 / +0.4 / +0.7 / +2.0% at batch 1 / 2 / 3 / 4 / 8 (against 4 warps +1.7 / +2.6% at 1 / 2), H100
 # +1.5 / +1.2 / +2.1% at 1 / 2 / 8. The H100 timeline: q|k|v itself is 0.6 us a layer slower, attention 1.3 us
 # faster; with 5.8 of its 8 blocks a SM the grid leaves registers for an attention block, whose first K/V stage
 # then streams under q|k|v (docs/gpu.md step 28). gate|up (1376 panels) stays on 4: on 2 warps (1.3 waves)
 # -3.7% at batch 1 (H200), on 1 (one wave of 1-warp blocks, 10.4 warps a SM) -3.9% (H100; +2.5% at batch 8), on
-# 8 -5.6% (each block's reduction and epilogue paid twice as often).
+# 8 -5.6% (each block's reduction and epilogue paid twice as often). A fuller wave is needed: LLaMA-2-70B's o_proj
+# / down_proj (512 panels, 7.8 warps a SM) on 2 warps cost -6.0% at batch 1 and its q|k|v (640, 9.7 warps) -1.1%
+# (H100, engine A/B of TWO_WARP_MIN_WARPS): they stay on 8.
 TWO_WARPS = True
+TWO_WARP_MIN_WARPS = 11  # ... where that one wave holds at least this many warps a SM
 WIDE_WAVES = 1.5  # TWO_WARPS off (the rule before, for A/B): 8 warps up to 1.5 waves of 4-warp blocks
 # y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPPiiiiPPPPf"
@@ -237,10 +241,11 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
 
 def gemv_warps(panels: int, sms: int) -> int:
     """Warps per panel (8, 2 or 4) of a GEMV of up to 8 rows (groups of 128) over `panels` 16-channel panels on a
-    GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM (TWO_WARPS, WIDE_WAVES)."""
+    GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM, 2-warp blocks only where that wave
+    holds TWO_WARP_MIN_WARPS warps a SM (TWO_WARPS; WIDE_WAVES for the rest)."""
     if panels <= 2 * sms:
         return 8
-    if TWO_WARPS and panels <= 8 * sms:
+    if TWO_WARPS and panels <= 8 * sms and 2 * panels >= TWO_WARP_MIN_WARPS * sms:
         return 2
     return 8 if panels <= WIDE_WAVES * 4 * sms else 4
 

@@ -80,9 +80,12 @@ def test_shapes_the_kernel_takes():
     assert not gemv_takes(4096, 4096, 16)  # runs of 16 k: not built
 
 
-def test_warps_per_panel_for_the_7b_decode_shapes():
+def test_warps_per_panel_for_the_7b_and_70b_decode_shapes():
     """LLaMA-2-7B on 132 SMs (H100 / H200 SXM): o_proj / down_proj (256 panels: one wave of 8-warp blocks, two a
-    SM) on 8 warps, q|k|v (768: one wave of 2-warp blocks, eight a SM) on 2, gate|up (1376) on 4 (the engine A/B
-    in awq_gemv.py). On 114 SMs (H100 PCIe) the 256 panels are more than a wave of 8-warp blocks: 2 warps."""
+    SM) on 8 warps, q|k|v (768: one wave of 2-warp blocks, eight a SM, 11.6 warps a SM) on 2, gate|up (1376) on 4.
+    LLaMA-2-70B: o_proj / down_proj (512) and q|k|v (640) would fill a 2-warp wave with 7.8 / 9.7 warps a SM: 8
+    warps, gate|up (3584) 4 (the engine A/B in awq_gemv.py). On 114 SMs (H100 PCIe) 7B's q|k|v holds 13.5 warps a
+    SM on 2 warps; its 256 panels are more than a wave of 8-warp blocks and too few for 2: 8 (1.5 waves of 4)."""
     assert [gemv_warps(p, 132) for p in (256, 768, 1376)] == [8, 2, 4]
-    assert [gemv_warps(p, 114) for p in (256, 768, 1376)] == [2, 2, 4]
+    assert [gemv_warps(p, 132) for p in (512, 640, 3584)] == [8, 8, 4]
+    assert [gemv_warps(p, 114) for p in (256, 768, 1376)] == [8, 2, 4]

@@ -82,13 +82,13 @@ def main() -> None:
                         int8_swiglu_norm(NormQuant(f8.xg, f8.mx, f8.part, 1e-5), qgu, sgu,
                                          row_amax=torch.zeros(1, device=dev))
                     fp16_linear(r(M, F), wo, residual=r(M, H), fold_out=FoldOut.new(r(H), M))
-                    # groups of 128 over 300 panels: on 132 SMs the 2-warp AWQ entries (awq_gemv.gemv_warps)
-                    a128 = quantize_awq(r(4800, 256).float(), 128)
-                    p300 = pack_for_gemv(*a128)
-                    awq_linear(r(M, 256), p300, residual=r(M, 4800), fold_out=FoldOut.new(r(4800), M))
+                    # groups of 128 over 768 panels: on 132 SMs the 2-warp AWQ entries (awq_gemv.gemv_warps)
+                    a128 = quantize_awq(r(12288, 256).float(), 128)
+                    p768 = pack_for_gemv(*a128)
+                    awq_linear(r(M, 256), p768, residual=r(M, 12288), fold_out=FoldOut.new(r(12288), M))
                     awq_linear(r(M, 256), pack_for_gemv(*a128, swiglu=True))
                     _, f256 = embedding_fold(r(V, 256), torch.randint(0, V, (M,), device=dev), r(256))
-                    awq_linear(f256.xg, p300, fold_in=f256.consumer(1e-5))
+                    awq_linear(f256.xg, p768, fold_in=f256.consumer(1e-5))
                     awq_linear(r(M, F), pack_for_gemv(*quantize_awq(wo.float(), 64)), residual=r(M, H),
                                fold_out=FoldOut.new(r(H), M))
             awq_dequantize(aq, az, asc)
