@@ -36,9 +36,10 @@ BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) in
 FUSED_PREFILL = True
 THREADS = 128
 # Warps per panel at up to 8 tokens with groups of 128 (gemv_warps): the widest block whose grid is one wave at
-# the same 16 warps per SM, else 4. 8 warps (the *_w8 entries, two blocks a SM) where the panels fit one wave of
-# them (LLaMA-2-7B's o_proj / down_proj: 256 panels on 132 SMs, which at 4 warps left every SM with about two
-# blocks, half its warp slots; eleventh session, engine A/B on an H200: +2.8 / +2.1 / +1.2% at batch 1 / 4 / 8).
+# the same 16 warps per SM, else 8 up to WIDE_WAVES waves of 4-warp blocks, else 4. 8 warps (the *_w8 entries,
+# two blocks a SM) where the panels fit one wave of them (LLaMA-2-7B's o_proj / down_proj: 256 panels on 132 SMs,
+# which at 4 warps left every SM with about two blocks, half its warp slots; eleventh session, engine A/B on an
+# H200: +2.8 / +2.1 / +1.2% at batch 1 / 4 / 8).
 # 2 warps (*_w2, eight a SM) where the panels fit one wave of those and fill most of it (q|k|v, 768: 11.6 warps a
 # SM; each warp streams 16 tiles).
 # Twenty-eighth session, engine A/B of q|k|v, decode tok/s against 8 warps (the rule before, WIDE_WAVES): H200
@@ -52,7 +53,7 @@ THREADS = 128
 # (H100, engine A/B of TWO_WARP_MIN_WARPS): they stay on 8.
 TWO_WARPS = True
 TWO_WARP_MIN_WARPS = 11  # ... where that one wave holds at least this many warps a SM
-WIDE_WAVES = 1.5  # TWO_WARPS off (the rule before, for A/B): 8 warps up to 1.5 waves of 4-warp blocks
+WIDE_WAVES = 1.5  # 8 warps up to this many waves of 4-warp blocks (70B's o, down, q|k|v; all, with TWO_WARPS off)
 # y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPPiiiiPPPPf"
 # Position r (0..7) of a word's eight values (mma 2w: r 0-3, mma 2w + 1: r 4-7) lives in nibble NIBBLE_OF[r].
