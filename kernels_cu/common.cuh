@@ -118,15 +118,21 @@ __device__ __forceinline__ void quantize_store8(int8_t* p, const Half8& v, float
     *reinterpret_cast<uint2*>(p) = quantize_pack8(v, inv);
 }
 
+// quantize.cu's rule for a row of max |x| amax: inv = 127 / amax quantizes it, scale = amax / 127 is its a_scale
+// (amax clamped first). The deferred quantizations (fold_scales, int8_gemm.cu's hooks) call this one expression.
+__device__ __forceinline__ void amax_scales(float amax, float& inv, float& scale) {
+    amax = clamp_amax(amax);
+    inv = __fdiv_rn(127.0f, amax);
+    scale = __fdiv_rn(amax, 127.0f);
+}
+
 // The scales of a deferred int8 RMSNorm's row (norm_fold.py), from the max of its partial maxima of |xg| (amax) and
 // the sum of its partial sums of h^2 (sum; has_norm false: no norm, rstd = 1) or a static amax: inv = 127 / amax
 // (times rstd when static) quantizes xg, scale = amax / 127 (times rstd when dynamic) is a_scale. One expression
 // for quantize.cu's quantize_fold and int8_gemm.cu's NormRowHook, so both give the same bits.
 __device__ __forceinline__ void fold_scales(float amax, float sum, bool has_norm, const float* static_amax, int K,
                                             float eps, float& inv, float& scale) {
-    amax = clamp_amax(static_amax == nullptr ? amax : *static_amax);
-    inv = __fdiv_rn(127.0f, amax);
-    scale = __fdiv_rn(amax, 127.0f);
+    amax_scales(static_amax == nullptr ? amax : *static_amax, inv, scale);
     if (has_norm) {
         const float rstd = rsqrtf(__fdividef(sum, (float)K) + eps);  // as norm_fold.cuh's fold_rstd
         const bool dynamic = static_amax == nullptr;

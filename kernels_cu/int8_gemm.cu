@@ -110,9 +110,7 @@ struct XqHook {
             } else {
                 amax = *static_amax;
             }
-            amax = clamp_amax(amax);
-            s_inv[tid] = __fdiv_rn(127.0f, amax);
-            s_scale[tid] = __fdiv_rn(amax, 127.0f);
+            amax_scales(amax, s_inv[tid], s_scale[tid]);
         }
         __syncthreads();
         const float inv0 = s_inv[0];
@@ -164,9 +162,9 @@ struct XqRowHook {
         } else {
             amax = *static_amax;
         }
-        amax = clamp_amax(amax);
-        *inv = __fdiv_rn(127.0f, amax);
-        if (threadIdx.x == 0) *s_scale = __fdiv_rn(amax, 127.0f);
+        float scale;
+        amax_scales(amax, *inv, scale);
+        if (threadIdx.x == 0) *s_scale = scale;
     }
 };
 
