@@ -245,6 +245,10 @@ __device__ __forceinline__ void awq_wgmma(__half* y, const void* __restrict__ xm
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
         pdl_wait();  // x comes from the previous kernel
         if (tid == CONSUMERS) {
+            // The map may have been written by put_map (tensor_map.cu, under a graph) since the TMA unit last read
+            // a map at this address: generic-proxy stores reach the tensormap proxy only through this acquire.
+            // Without it a replayed prefill graph read stale maps where its blocks reuse an address (wrong x).
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(xmap) : "memory");
             RingPos<XS> xc;
             for (int kt = 0; kt < stages; ++kt) {
                 mbar_wait(bars + EMPTY + 8 * xc.slot, xc.phase ^ 1);  // both blocks retired the slot's last stage

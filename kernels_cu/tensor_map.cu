@@ -21,4 +21,6 @@ extern "C" __global__ void __launch_bounds__(32)
                                          : (t < 14 ? (t == 12 ? w12 : w13) : (t == 14 ? w14 : w15));
     const unsigned long long v = t < 8 ? lo : hi;
     if (threadIdx.x < 16) dst[threadIdx.x] = v;
+    // the release half of the proxy hand-off; the GEMM acquires before its first TMA (awq_wgmma.cu)
+    asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
 }

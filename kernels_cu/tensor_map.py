@@ -8,7 +8,10 @@ address, shape and the box, so one uploaded map serves every later call on the s
 keeps them in a small LRU keyed by exactly those. The upload is an ordinary copy on the current stream, ahead
 of the kernel that reads it. Inside CUDA-graph capture (the engine's prefill graphs) a copy from host memory
 cannot be captured, so the map goes into device memory through `put_map` (tensor_map.cu), a kernel whose
-parameters are the map's 16 words: captured by value, rewritten by every replay ahead of its GEMM.
+parameters are the map's 16 words: captured by value, rewritten by every replay ahead of its GEMM. A map
+written by a kernel's (generic-proxy) stores reaches the TMA unit only through a tensormap-proxy acquire in the
+kernel that uses it (awq_wgmma.cu, before its first copy): without one, a replay read stale maps wherever the
+capture had given several GEMMs' maps one address in turn.
 """
 
 from __future__ import annotations

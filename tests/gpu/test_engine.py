@@ -27,8 +27,9 @@ CONFIGS = {
 SCHEMES = ("fp16", "int8-dynamic", "int8-static", "awq")
 
 
-def checkpoint(config: LlamaConfig, scheme: str, seed: int = 0) -> ModelWeights:
-    """Random weights quantized with the CPU quantizers, as a loaded checkpoint would be."""
+def checkpoint(config: LlamaConfig, scheme: str, seed: int = 0, group_size: int = 64) -> ModelWeights:
+    """Random weights quantized with the CPU quantizers, as a loaded checkpoint would be (awq: groups of
+    group_size)."""
     sd = random_state_dict(config, seed=seed)
     sd["model.embed_tokens.weight"] *= 0.05 * config.hidden_size ** 0.5  # logits of a trained model's scale
     w = ModelWeights.from_state_dict(config, sd, meta={"scheme": scheme.split("-")[0]})
@@ -40,7 +41,7 @@ def checkpoint(config: LlamaConfig, scheme: str, seed: int = 0) -> ModelWeights:
         for attr, dense in layer.linears().items():
             W = dense.dense_weight().float()
             if scheme == "awq":
-                lin[attr] = AwqLinear.from_dense(W, 64)
+                lin[attr] = AwqLinear.from_dense(W, group_size)
             else:
                 static = scheme == "int8-static"
                 lin[attr] = Int8Linear.from_dense(W, ActQuant.STATIC if static else ActQuant.DYNAMIC,
@@ -163,6 +164,37 @@ def test_prefill_graph_replays_equal_eager_prefills(scheme):
         big = graphed.new_cache(4, long.shape[1] + 1)
         graphed.forward(long, big)
     assert not big.prefill_graphs
+
+
+def test_awq_prefill_graph_on_the_fused_gemm_equals_eager(monkeypatch):
+    """awq with groups of 128 prefills more than GEMV_MAX_M rows on awq_wgmma.cu (Hopper), whose x tensor maps a
+    captured prefill writes with put_map (tensor_map.py): every replay gives the eager prefill's logits and cache.
+    Replays once read stale maps (no tensormap-proxy acquire before the TMA) where the capture had put the maps of
+    several GEMMs at one reused address: logits off by up to 7 at LLaMA-2-7B's shapes, different each replay."""
+    from kernels_cu import awq_gemv, awq_wgmma, build
+    from kernels_cu.engine import Engine, EngineConfig
+
+    if not build.has_wgmma(torch.cuda.current_device()):
+        pytest.skip("the fused AWQ prefill GEMM runs on Hopper only")
+    config = CONFIGS["mha-d128"]
+    w = checkpoint(config, "awq", group_size=128)
+    graphed, eager = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, prefill_graphs=False))
+    fused, launch = [], awq_wgmma.launch
+    monkeypatch.setattr(awq_wgmma, "launch", lambda *a: fused.append(1) or launch(*a))
+    g = torch.Generator().manual_seed(11)
+    caches = [graphed.new_cache(2, 64), eager.new_cache(2, 64)]
+    for run in range(4):  # eager, capture + replay, replay, replay
+        tokens = torch.randint(0, config.vocab_size, (2, 48), generator=g)  # 96 rows > GEMV_MAX_M
+        outs = []
+        for eng, cache in zip((graphed, eager), caches):
+            cache.lengths.zero_()
+            logits = eng.forward(tokens, cache)
+            outs.append((logits, [t[:, :, :48].clone() for t in cache.k + cache.v]))
+        (a0, kv0), (a1, kv1) = outs
+        assert torch.isfinite(a0).all() and torch.equal(a0, a1), run
+        assert all(torch.equal(x, y) for x, y in zip(kv0, kv1)), run
+    assert len(caches[0].prefill_graphs) == 1 and 2 * 48 > awq_gemv.GEMV_MAX_M
+    assert len(fused) >= 4 * config.n_layers * 4  # the four GEMMs a layer, eagerly in both engines and captured
 
 
 def test_gpu_sampling_in_the_loop():
