@@ -6,9 +6,9 @@
 // directly (awq_gemm.cu) is instruction-bound at ~40-50% of the bandwidth. Here every lane's 16 bytes
 // are already 32 k-values of ONE output channel, nibbles placed so that the four LOP3 extractions of a
 // word give A-fragment pairs of an m16n8k16 mma as they come:
-//   block = W = 4 (or 8 / 2, the *_w8 / *_w2 entries) warps on a panel of 16 output channels (rows g and g + 8
-//   of the mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and meeting in shared
-//   memory at the end (warps 0-3 sum and write; with 2 warps each thread two of the four sums);
+//   block = W = 4 (or 8 / 2 / 1, the *_w8 / *_w2 / *_w1 entries) warps on a panel of 16 output channels (rows g
+//   and g + 8 of the mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and meeting in shared
+//   memory at the end (warps 0-3 sum and write; with 2 warps each thread two of the four sums, with 1 all four);
 //   a 128-k tile of the panel is 1 KB: [h = row g | row g + 8][lane][4 words];
 //   lane (g, t)'s 32 values of a tile are, for each group q of the tile (GS = 128 / GPT k's), the GS / 4
 //   consecutive k's k0 + q * GS + t * GS / 4 ...: its activations are 64 contiguous bytes per group-run,
@@ -28,7 +28,7 @@
 // each token's sums scaled by its rstd before rounding).
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
 //   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w8 /
-//   *_w2 the same with block 256 / 64.
+//   *_w2 / *_w1 the same with block 256 / 64 / 32.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
 #include "common.cuh"
@@ -338,6 +338,12 @@ FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 8, 2, silu_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 2, 8, plain_w2)
 FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 2, 8, res_w2)
 FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 2, 8, silu_w2)
+// W = 1 warp per panel (block 32, sixteen resident), 8 tokens, groups of 128, for grids of one wave of them at 8
+// rows (gemv_warps: LLaMA-2-7B's gate|up, 1376 panels, at batch 5-8); no cross-warp reduction, the warp writes all
+// four of a lane's accumulators.
+FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 1, 16, plain_w1)
+FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 1, 16, res_w1)
+FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 1, 16, silu_w1)
 
 // (w_hat fp16 [N,K], packed, terms, int N, int K, int tiles); one thread per 16 bytes of w_hat
 #define FLLAMA_AWQ_PACKED_DEQUANT(GPT)                                                                      \

@@ -53,6 +53,13 @@ THREADS = 128
 # (H100, engine A/B of TWO_WARP_MIN_WARPS): they stay on 8.
 TWO_WARPS = True
 TWO_WARP_MIN_WARPS = 11  # ... where that one wave holds at least this many warps a SM
+# 1 warp (*_w1, sixteen a SM) at ONE_WARP_MIN_ROWS rows where the panels are too many for a wave of 2-warp blocks
+# and fit one of 1-warp blocks (gate|up, 1376: 10.4 warps a SM, each streaming all 32 tiles of its panel, with no
+# cross-warp reduction). Twenty-ninth session, engine A/B on the H100 (awq decode tok/s against 4 warps): ONE_WARP
+# +2.5% at batch 8 (2,776 -> 2,846), batch 1 unchanged; 1 warp at fewer rows (ONE_WARP_MIN_ROWS 4 / 2) -4.1% at 4
+# rows, -2.4% at 2, and -3.9% at one (twenty-eighth session).
+ONE_WARP = True
+ONE_WARP_MIN_ROWS = 8
 WIDE_WAVES = 1.5  # 8 warps up to this many waves of 4-warp blocks (70B's o, down, q|k|v; all, with TWO_WARPS off)
 # y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPPiiiiPPPPf"
@@ -233,21 +240,24 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
         if not _fold_compiled(mt, p.gpt) and (fold_in is not None or fold_out is not None):
             raise ValueError(f"the AWQ GEMV variant for {M} rows and groups of {p.gs} k takes no deferred RMSNorm")
         name = f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}"
-        warps = gemv_warps(p.n // PANEL, sm_count(x.device.index)) if mt == 1 and p.gpt == 1 else 4
+        warps = gemv_warps(p.n // PANEL, sm_count(x.device.index), M) if mt == 1 and p.gpt == 1 else 4
         fn = build.get_function("awq_gemv.cu", name + ("" if warps == 4 else f"_w{warps}"), SIGNATURE)
         fn(gemv_grid(M, p.n), (32 * warps,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
            p.tiles, *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
     return y
 
 
-def gemv_warps(panels: int, sms: int) -> int:
-    """Warps per panel (8, 2 or 4) of a GEMV of up to 8 rows (groups of 128) over `panels` 16-channel panels on a
-    GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM, 2-warp blocks only where that wave
-    holds TWO_WARP_MIN_WARPS warps a SM (TWO_WARPS; WIDE_WAVES for the rest)."""
+def gemv_warps(panels: int, sms: int, rows: int = 1) -> int:
+    """Warps per panel (8, 2, 1 or 4) of a GEMV of `rows` <= 8 rows (groups of 128) over `panels` 16-channel panels
+    on a GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM, 2-warp blocks only where that
+    wave holds TWO_WARP_MIN_WARPS warps a SM (TWO_WARPS), 1-warp blocks only from ONE_WARP_MIN_ROWS rows (ONE_WARP;
+    WIDE_WAVES for the rest)."""
     if panels <= 2 * sms:
         return 8
     if TWO_WARPS and panels <= 8 * sms and 2 * panels >= TWO_WARP_MIN_WARPS * sms:
         return 2
+    if ONE_WARP and rows >= ONE_WARP_MIN_ROWS and 8 * sms < panels <= 16 * sms:
+        return 1
     return 8 if panels <= WIDE_WAVES * 4 * sms else 4
 
 

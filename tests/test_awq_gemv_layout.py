@@ -85,7 +85,12 @@ def test_warps_per_panel_for_the_7b_and_70b_decode_shapes():
     SM) on 8 warps, q|k|v (768: one wave of 2-warp blocks, eight a SM, 11.6 warps a SM) on 2, gate|up (1376) on 4.
     LLaMA-2-70B: o_proj / down_proj (512) and q|k|v (640) would fill a 2-warp wave with 7.8 / 9.7 warps a SM: 8
     warps, gate|up (3584) 4 (the engine A/B in awq_gemv.py). On 114 SMs (H100 PCIe) 7B's q|k|v holds 13.5 warps a
-    SM on 2 warps; its 256 panels are more than a wave of 8-warp blocks and too few for 2: 8 (1.5 waves of 4)."""
+    SM on 2 warps; its 256 panels are more than a wave of 8-warp blocks and too few for 2: 8 (1.5 waves of 4).
+    At 8 rows 7B's gate|up is one wave of 1-warp blocks (10.4 / 12.1 warps a SM), not at 2-4 rows; 70B's (3584) is
+    more than a wave of them: 4."""
     assert [gemv_warps(p, 132) for p in (256, 768, 1376)] == [8, 2, 4]
     assert [gemv_warps(p, 132) for p in (512, 640, 3584)] == [8, 8, 4]
     assert [gemv_warps(p, 114) for p in (256, 768, 1376)] == [8, 2, 4]
+    assert [gemv_warps(p, 132, 8) for p in (256, 768, 1376, 512, 640, 3584)] == [8, 2, 1, 8, 8, 4]
+    assert [gemv_warps(1376, 132, m) for m in (1, 2, 4, 7)] == [4, 4, 4, 4]
+    assert [gemv_warps(p, 114, 8) for p in (256, 768, 1376)] == [8, 2, 1]

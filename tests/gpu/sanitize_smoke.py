@@ -89,6 +89,13 @@ def main() -> None:
                     awq_linear(r(M, 256), pack_for_gemv(*a128, swiglu=True))
                     _, f256 = embedding_fold(r(V, 256), torch.randint(0, V, (M,), device=dev), r(256))
                     awq_linear(f256.xg, p768, fold_in=f256.consumer(1e-5))
+                    if T == 7:  # 8 rows over 1,100 panels: the 1-warp entries (gemv_warps at 8 rows on 114-132 SMs)
+                        a1100 = quantize_awq(r(17600, 256).float(), 128)
+                        p1100 = pack_for_gemv(*a1100)
+                        awq_linear(r(8, 256), p1100, residual=r(8, 17600), fold_out=FoldOut.new(r(17600), 8))
+                        awq_linear(r(8, 256), pack_for_gemv(*a1100, swiglu=True))
+                        _, f8r = embedding_fold(r(V, 256), torch.randint(0, V, (8,), device=dev), r(256))
+                        awq_linear(f8r.xg, p1100, fold_in=f8r.consumer(1e-5))
                     awq_linear(r(M, F), pack_for_gemv(*quantize_awq(wo.float(), 64)), residual=r(M, H),
                                fold_out=FoldOut.new(r(H), M))
             awq_dequantize(aq, az, asc)

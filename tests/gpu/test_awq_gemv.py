@@ -65,12 +65,13 @@ def test_fused_residual(M):
 
 
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
-@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (4096, 12288), (4096, 22016)])
+@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (4096, 12288), (4096, 22016),
+                                 (2176, 17600)])
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_eight_and_two_warp_entries(M, K, N, epi, monkeypatch):
-    """The 8- and 2-warp entries (gemv_warps: the widest block whose grid is one wave): one full step (K 2048),
-    full steps and a guarded last step (11008: 86 tiles over steps of 16); the widest shape stays on the 4-warp
-    entry."""
+def test_eight_two_and_one_warp_entries(M, K, N, epi, monkeypatch):
+    """The 8-, 2- and 1-warp entries (gemv_warps: the widest block whose grid is one wave): one full step (K 2048),
+    full steps and a guarded last step (11008: 86 tiles over steps of 16; 2176: 17 tiles over steps of 2 on one
+    warp); the widest shapes on the 4-warp entry, or at 8 rows on the 1-warp one."""
     qweight, qzeros, scales = awq_tensors(K, N, 128, seed=M + K + N)
     p = pack_for_gemv(qweight, qzeros, scales, swiglu=epi == "silu")
     x, res = randn(M, K, seed=M), (randn(M, N, seed=M + 1) if epi == "res" else None)
@@ -79,14 +80,14 @@ def test_eight_and_two_warp_entries(M, K, N, epi, monkeypatch):
     y = torch.empty(M, N // 2 if epi == "silu" else N, dtype=torch.float16, device="cuda")
     poison(y)
     awq_linear(x, p, residual=res, out=y)
-    warps = gemv_warps(N // 16, sm_count())
+    warps = gemv_warps(N // 16, sm_count(), M)
     assert names == [f"awq_gemv_mt1_g1_{epi}" + ("" if warps == 4 else f"_w{warps}")], names
     ref = awq_linear_ref(x, p, residual=res)
     if epi == "silu":
         gu = awq_linear_ref(x, pack_for_gemv(qweight, qzeros, scales))  # [M, N]: gate | up
-        check_swiglu(y, gu[:, :N // 2], gu[:, N // 2:], ref, f"8 warps swiglu M={M} K={K} N={N}")
+        check_swiglu(y, gu[:, :N // 2], gu[:, N // 2:], ref, f"{warps} warps swiglu M={M} K={K} N={N}")
     else:
-        check_gemm(y, ref, f"8 warps {epi} M={M} K={K} N={N}")
+        check_gemm(y, ref, f"{warps} warps {epi} M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("K,F,G", [(4096, 11008, 128), (576, 1536, 64), (576, 1536, 192)])
@@ -155,10 +156,10 @@ def test_gemv_resources(mt, gpt, epi):
 
 
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
-@pytest.mark.parametrize("warps", [8, 2])
-def test_eight_and_two_warp_entry_resources(epi, warps):
-    """The 8- and 2-warp entries: no spills, and the same 16 warps per SM as four 4-warp blocks (two 256-thread
-    blocks, eight 64-thread ones)."""
+@pytest.mark.parametrize("warps", [8, 2, 1])
+def test_eight_two_and_one_warp_entry_resources(epi, warps):
+    """The 8-, 2- and 1-warp entries: no spills, and the same 16 warps per SM as four 4-warp blocks (two 256-thread
+    blocks, eight 64-thread ones, sixteen of 32)."""
     res = build.get_function("awq_gemv.cu", f"awq_gemv_mt1_g1_{epi}_w{warps}", SIGNATURE).resources()
     assert res["local_bytes"] == 0, res
     assert cdiv(res["registers"], 8) * 8 * 32 * warps * (16 // warps) <= 65536, res
