@@ -967,13 +967,13 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         const uint4 v = __ldcg(row + c);
         amax = fmaxf(amax, half8_absmax(*reinterpret_cast<const Half8*>(&v)));
     }
-    amax = clamp_amax(block_max(amax, s_red));
-    const float inv = __fdiv_rn(127.0f, amax);
+    float inv, scale;
+    amax_scales(block_max(amax, s_red), inv, scale);
     for (int c = tid; c < nvec; c += THREADS) {
         const uint4 v = __ldcg(row + c);
         quantize_store8(q_out + out_row + 8 * c, *reinterpret_cast<const Half8*>(&v), inv);
     }
-    if (tid == 0) a_scale[b] = __fdiv_rn(amax, 127.0f);
+    if (tid == 0) a_scale[b] = scale;
 }
 
 }  // namespace fused

@@ -32,14 +32,14 @@ __device__ __forceinline__ void quantize_row(int8_t* __restrict__ q, float* __re
             amax = fmaxf(amax, half8_absmax(v[j]));
         }
     }
-    amax = clamp_amax(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax);
-    const float inv = __fdiv_rn(127.0f, amax);
+    float inv, scale;
+    amax_scales(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax, inv, scale);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
         const int c = threadIdx.x + j * blockDim.x;
         if (c < n_vec) quantize_store8(q + base + 8 * c, v[j], inv);
     }
-    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = __fdiv_rn(amax, 127.0f);
+    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = scale;
 }
 
 #define FLLAMA_QUANTIZE_ENTRY(NAME, NV, QMODE)                                                          \

@@ -75,18 +75,14 @@ __device__ __forceinline__ void rmsnorm_row(__half* __restrict__ out, int8_t* __
     }
     if (QMODE == QUANT_NONE) return;
 
-    if (QMODE == QUANT_DYNAMIC) {
-        amax = clamp_amax(block_max(amax, scratch));
-    } else {
-        amax = clamp_amax(*static_amax);
-    }
-    const float inv = __fdiv_rn(127.0f, amax);
+    float inv, scale;
+    amax_scales(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax, inv, scale);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
         const int c = threadIdx.x + j * blockDim.x;
         if (c < n_vec) quantize_store8(q + base + 8 * c, v[j], inv);
     }
-    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = __fdiv_rn(amax, 127.0f);
+    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = scale;
 }
 
 #define FLLAMA_RMSNORM_ENTRY(NAME, NV, RESIDUAL, QMODE)                                                   \

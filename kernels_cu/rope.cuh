@@ -76,12 +76,12 @@ __device__ __forceinline__ void store_head_f16(void* k_cache, void* v_cache, boo
 __device__ __forceinline__ void store_head_i8(void* k_cache, void* v_cache, float* k_scale, float* v_scale,
                                               bool is_v, size_t slot, int d, int half_d, const Half8& lo,
                                               const Half8& hi, float m, int g) {
-    const float amax = clamp_amax(m);
-    const float inv = __fdiv_rn(127.0f, amax);
+    float inv, scale;
+    amax_scales(m, inv, scale);
     int8_t* dst = static_cast<int8_t*>(is_v ? v_cache : k_cache) + slot * d;
     quantize_store8(dst + 8 * g, lo, inv);
     quantize_store8(dst + half_d + 8 * g, hi, inv);
-    if (g == 0) (is_v ? v_scale : k_scale)[slot] = __fdiv_rn(amax, 127.0f);
+    if (g == 0) (is_v ? v_scale : k_scale)[slot] = scale;
 }
 
 }  // namespace fllama

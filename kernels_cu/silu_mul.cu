@@ -40,14 +40,14 @@ __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, int8_t* _
         }
     }
     if (QMODE == QUANT_NONE) return;
-    amax = clamp_amax(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax);
-    const float inv = __fdiv_rn(127.0f, amax);
+    float inv, scale;
+    amax_scales(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax, inv, scale);
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
         const int c = threadIdx.x + j * blockDim.x;
         if (c < n_vec) quantize_store8(q + row * (size_t)F + 8 * c, v[j], inv);
     }
-    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = __fdiv_rn(amax, 127.0f);
+    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = scale;
 }
 
 #define FLLAMA_SILU_ENTRY(NAME, NV, QMODE)                                                                  \
@@ -109,9 +109,10 @@ __device__ __forceinline__ void silu_mul_part(__half* __restrict__ y, float* __r
         amax = half8_absmax(v);
     }
     if (QMODE == QUANT_STATIC) {
-        const float a = clamp_amax(*static_amax);
-        if (in) quantize_store8(q + row * (size_t)F + 8 * c, v, __fdiv_rn(127.0f, a));
-        if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = __fdiv_rn(a, 127.0f);
+        float inv, scale;
+        amax_scales(*static_amax, inv, scale);
+        if (in) quantize_store8(q + row * (size_t)F + 8 * c, v, inv);
+        if (blockIdx.x == 0 && threadIdx.x == 0) a_scale[row] = scale;
         return;
     }
     if (in) store_half8(y + row * (size_t)F + 8 * c, v);
