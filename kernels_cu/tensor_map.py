@@ -63,18 +63,19 @@ def encode_2d(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: int = 128)
 
 def device_map(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: int = 128) -> torch.Tensor:
     """The map of `t` (encode_2d) in device memory: a 128-byte uint8 tensor to pass as a pointer."""
+    if torch.cuda.is_current_stream_capturing():
+        # In the graph's private pool, which keeps the block for the graph's replays after this tensor is gone. Not
+        # cached: it holds the map only once a replay has run put_map, and an eager caller must not see it before.
+        # Nor taken from the cache: an eager map there may be dropped (and its block reused) while the graph lives.
+        m = torch.empty(MAP_BYTES, dtype=torch.uint8, device=t.device)
+        _put_map(m, encode_2d(t, box_cols, box_rows, swizzle))
+        return m
     key = (t.device.index, t.data_ptr(), tuple(t.shape), t.dtype, box_cols, box_rows, swizzle)
     m = _cache.get(key)
     if m is not None:
         _cache.move_to_end(key)
         return m
     raw = encode_2d(t, box_cols, box_rows, swizzle)
-    if torch.cuda.is_current_stream_capturing():
-        # In the graph's private pool, which keeps the block for the graph's replays after this tensor is gone. Not
-        # cached: it holds the map only once a replay has run put_map, and an eager caller must not see it before.
-        m = torch.empty(MAP_BYTES, dtype=torch.uint8, device=t.device)
-        _put_map(m, raw)
-        return m
     m = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(t.device)  # 256-byte aligned (a map needs 64)
     _put_map_kernel()  # built and loaded now: a capture later must not load a module
     _cache[key] = m

@@ -113,23 +113,32 @@ def test_tensor_maps_are_kept_per_buffer():
     assert a.numel() == tensor_map.MAP_BYTES and a.is_cuda
 
 
-def test_a_captured_gemm_puts_the_map_of_a_buffer_the_capture_allocates():
+def test_a_captured_gemm_puts_the_map_of_a_buffer_the_capture_allocates(monkeypatch):
     """Under CUDA-graph capture (the engine's prefill graphs) x is made inside the capture, so its map cannot be
-    uploaded from the host: put_map writes it on every replay. Replays with new inputs equal eager launches."""
+    uploaded from the host: put_map writes it on every replay, for a buffer with an eager map in the cache too (the
+    cache may drop that one while the graph lives). Three GEMMs in one graph: replays with new inputs equal eager
+    launches. (This small graph passes without the tensormap-proxy fences too; test_engine.py's
+    test_awq_prefill_graph_on_the_fused_gemm_equals_eager is the one that fails without them.)"""
     p = pack_for_gemv(*awq_tensors(1024, 768, 128, seed=5))
     src = randn(200, 1024, seed=6)
-    awq_wgmma.launch(src * 1.0, p, None, None)  # eager first: kernels built, the weight's map made
+    awq_wgmma.launch(src, p, None, None)  # eager first: kernels built, src's map cached
     build.synchronize()
+    puts, put = [], tensor_map._put_map
+    monkeypatch.setattr(tensor_map, "_put_map", lambda m, raw: puts.append(m.data_ptr()) or put(m, raw))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=build.torch_stream()):
         x = src * 1.0  # an address only the capture knows
         y = awq_wgmma.launch(x, p, None, None)
+        y2 = awq_wgmma.launch(src * 2.0, p, None, None)
+        y3 = awq_wgmma.launch(src, p, None, None)  # cached eagerly: put in the graph's pool all the same
+    assert len(puts) == 3
     assert not any(k[1] == x.data_ptr() for k in tensor_map._cache)  # a captured map is the graph's alone
     for seed in (7, 8):
         src.copy_(randn(200, 1024, seed=seed))
         graph.replay()
         want = awq_wgmma.launch(src.clone(), p, None, None)
-        assert torch.equal(y, want), seed
+        assert torch.equal(y, want) and torch.equal(y3, want), seed
+        assert torch.equal(y2, awq_wgmma.launch(src * 2.0, p, None, None)), seed
 
 
 def test_tensor_map_refuses_unaligned_rows():
