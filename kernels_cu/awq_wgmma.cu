@@ -247,7 +247,7 @@ __device__ __forceinline__ void awq_wgmma(__half* y, const void* __restrict__ xm
         if (tid == CONSUMERS) {
             // The map may have been written by put_map (tensor_map.cu, under a graph) since the TMA unit last read
             // a map at this address: generic-proxy stores reach the tensormap proxy only through this acquire.
-            // Without it a replayed prefill graph read stale maps where its blocks reuse an address (wrong x).
+            // Without it a replayed prefill graph used stale maps: its capture gives several GEMMs' maps one block.
             asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(xmap) : "memory");
             RingPos<XS> xc;
             for (int kt = 0; kt < stages; ++kt) {
