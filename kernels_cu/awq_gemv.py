@@ -6,7 +6,8 @@
                                                             GS-group, GS = gcd(G, 128): 32, 64 or 128)
 
 M <= GEMV_MAX_M: awq_gemv (y = sum_groups s * sum_k (q - z) x, fp32), or from BATCH_MIN_M tokens on the
-awq_batch.cu GEMM (4 panels per block sharing the activations through shared memory); larger M on Hopper
+awq_batch.cu GEMM (4 panels per block sharing the activations through shared memory), from WGMMA_DECODE_MIN_M
+on Hopper with groups of 128 awq_wgmma_decode.cu (the same on wgmma); larger M on Hopper
 with groups of 128: awq_wgmma.cu, the fused GEMM (as fast as cuBLAS fp16); otherwise w_hat [N, K] =
 fp16((q - z) * s) written by awq_packed_dequant, then cuBLAS. With `swiglu` the gate|up weight's channels are
 interleaved by 8 per panel of 16 and the GEMV writes silu(gate) * up directly (one kernel instead of two).
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from calibrate.awq_pack import unpack_awq
-from kernels_cu import awq_batch, awq_wgmma, build, norm_fold
+from kernels_cu import awq_batch, awq_wgmma, awq_wgmma_decode, build, norm_fold
 from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, sm_count, token_tile
 from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
@@ -31,6 +32,10 @@ TILE_K = 128
 PANEL = 16
 GEMV_MAX_M = 64  # above: dequantize + cuBLAS (one weight read per 32 tokens costs more than a dequant pass)
 BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) instead of the GEMV
+# From WGMMA_DECODE_MIN_M rows on Hopper with groups of 128: awq_wgmma_decode.cu (wgmma n32 / n64, each panel's
+# fragments converted once for all the tokens) instead of awq_batch.cu. H100, the four LLaMA-2-7B GEMMs of a layer:
+# 109 against 126 us at 32 tokens, 168 against 217 at 64; at 17 tokens 103 against 100 (awq_batch kept there).
+WGMMA_DECODE_MIN_M = 32
 # Above GEMV_MAX_M on Hopper with groups of 128: the fused prefill GEMM (awq_wgmma.cu) instead of w_hat + cuBLAS.
 # H200, LLaMA-2-7B, 2048-token prefill: awq 39,309 -> 43,152 / 42,910 tok/s (fp16 42,432 / 42,438 in the same runs).
 FUSED_PREFILL = True
@@ -175,7 +180,7 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
                out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
                fold_out: FoldOut | None = None) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows (the batch GEMM from
-    BATCH_MIN_M where N % 64 == 0), else the fused GEMM (awq_wgmma.py) where it runs, or w_hat + cuBLAS.
+    BATCH_MIN_M where N % 64 == 0, its wgmma form from WGMMA_DECODE_MIN_M on Hopper with groups of 128), else the fused GEMM (awq_wgmma.py) where it runs, or w_hat + cuBLAS.
     fold_in / fold_out: the deferred RMSNorm (norm_fold.py), on the GEMV path only (`folds`)."""
     M = _check(x, p, residual)
     if fold_in is not None or fold_out is not None:
@@ -183,6 +188,8 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
             raise ValueError(f"the deferred RMSNorm runs on the AWQ GEMV only (M < {BATCH_MIN_M}; with groups of "
                              f"32 k, M <= 8), got M = {M}, groups of {p.gs}")
         return _gemv(x, p, residual, out, fold_in, fold_out)
+    if WGMMA_DECODE_MIN_M <= M <= GEMV_MAX_M and awq_wgmma_decode.takes(x, p):
+        return awq_wgmma_decode.launch(x, p, residual, out)
     if BATCH_MIN_M <= M <= GEMV_MAX_M and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)
     if M <= GEMV_MAX_M:

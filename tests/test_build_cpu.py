@@ -48,6 +48,7 @@ ENTRY_POINTS = {
                     + [f"int8_gemv_xq{r}{e}" for r in ("", "1") for e in ("", "_res")]
                     + ["int8_gemv_nq1", "int8_gemv_nq1_silu", "int8_dequant", "int8_dequant_res"],
     "awq_wgmma.cu": ["awq_wgmma_plain", "awq_wgmma_res", "awq_wgmma_silu"],
+    "awq_wgmma_decode.cu": [f"awq_wgmma_decode_t{bt}_{e}" for bt in (32, 64) for e in ("plain", "res", "silu")],
     "embedding.cu": [f"embedding{v}_{t}" for v in ("", "_fold", "_fold8") for t in ("i32", "i64")],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
     "sampling.cu": ["sample_f16", "sample_f32"],

@@ -17,7 +17,7 @@ def main() -> None:
     from kernels_cu.embedding import embedding, embedding_fold
     from kernels_cu.norm_fold import FoldOut
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
-    from kernels_cu import awq_wgmma
+    from kernels_cu import awq_wgmma, awq_wgmma_decode
     from kernels_cu.int8_gemm import (DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred, int8_gemm_norm,
                                       int8_swiglu_norm)
     from kernels_cu.quantize import quantize
@@ -107,6 +107,9 @@ def main() -> None:
             int8_gemm(qx, sx, qw, ws, residual=r(130, 200), wgmma=True)
             p128 = pack_for_gemv(*quantize_awq(r(272, 640).float(), 128))
             awq_wgmma.launch(r(130, 640), p128, r(130, 272), None)
+            for m, sp in ((40, 3), (32, None)):  # the decode-batch GEMM: a part-used token tile, K split 3 ways
+                awq_wgmma_decode.launch(r(m, 640), pack_for_gemv(*quantize_awq(r(320, 640).float(), 128)),
+                                        r(m, 320), None, splits=sp)
         B, L = 3, 300
         for kv8 in (False, True):
             kc = torch.zeros(B, nkv, L, d, device=dev, dtype=torch.int8 if kv8 else torch.float16)

@@ -14,8 +14,8 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import awq_batch, build, counters  # noqa: E402
-from kernels_cu.awq_gemv import (BATCH_MIN_M, GEMV_MAX_M, awq_batch_gemm, awq_gemv, awq_linear,  # noqa: E402
-                                 awq_linear_ref, pack_for_gemv)
+from kernels_cu.awq_gemv import (BATCH_MIN_M, GEMV_MAX_M, WGMMA_DECODE_MIN_M, awq_batch_gemm,  # noqa: E402
+                                 awq_gemv, awq_linear, awq_linear_ref, pack_for_gemv)
 from kernels_cu.gemm_shapes import cdiv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -75,14 +75,18 @@ def test_agrees_with_the_gemv_and_is_deterministic():
 
 
 def test_awq_linear_dispatch():
-    """awq_linear takes the batch kernel from BATCH_MIN_M to GEMV_MAX_M tokens where N % 64 == 0: the same
-    bits as awq_batch_gemm with its default split (and the GEMV's below)."""
-    qweight, qzeros, scales = awq_tensors(4096, 12288, 128, seed=11)
-    p = pack_for_gemv(qweight, qzeros, scales)
-    for M in (BATCH_MIN_M - 1, BATCH_MIN_M, GEMV_MAX_M):
-        x = randn(M, 4096, seed=M)
-        want = awq_batch_gemm(x, p) if M >= BATCH_MIN_M else awq_gemv(x, p)
-        assert_equal(awq_linear(x, p), want, f"dispatch M={M}")
+    """awq_linear takes the batch kernel from BATCH_MIN_M to GEMV_MAX_M tokens where N % 64 == 0 (with groups of
+    128 on Hopper only below WGMMA_DECODE_MIN_M: test_awq_wgmma_decode.py): the same bits as awq_batch_gemm with
+    its default split (and the GEMV's below)."""
+    for gs in (128, 64):
+        qweight, qzeros, scales = awq_tensors(4096, 12288, gs, seed=11)
+        p = pack_for_gemv(qweight, qzeros, scales)
+        for M in (BATCH_MIN_M - 1, BATCH_MIN_M, GEMV_MAX_M):
+            if gs == 128 and M >= WGMMA_DECODE_MIN_M and build.has_wgmma(torch.cuda.current_device()):
+                continue
+            x = randn(M, 4096, seed=M)
+            want = awq_batch_gemm(x, p) if M >= BATCH_MIN_M else awq_gemv(x, p)
+            assert_equal(awq_linear(x, p), want, f"dispatch M={M} groups of {gs}")
 
 
 @pytest.mark.parametrize("mt", [1, 2, 4])
