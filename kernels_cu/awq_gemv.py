@@ -34,7 +34,7 @@ GEMV_MAX_M = 64  # above: dequantize + cuBLAS (one weight read per 32 tokens cos
 BATCH_MIN_M = 17  # from here awq_batch.cu (its panels share the activations) instead of the GEMV
 # From WGMMA_DECODE_MIN_M rows on Hopper with groups of 128: awq_wgmma_decode.cu (wgmma n32 / n64, each panel's
 # fragments converted once for all the tokens) instead of awq_batch.cu. H100, the four LLaMA-2-7B GEMMs of a layer:
-# 109 against 126 us at 32 tokens, 168 against 217 at 64; at 17 tokens 103 against 100 (awq_batch kept there).
+# 109 against 126 us at 32 tokens, 174 against 217 at 64; at 17 tokens 103 against 99 (awq_batch kept there).
 WGMMA_DECODE_MIN_M = 32
 # Above GEMV_MAX_M on Hopper with groups of 128: the fused prefill GEMM (awq_wgmma.cu) instead of w_hat + cuBLAS.
 # H200, LLaMA-2-7B, 2048-token prefill: awq 39,309 -> 43,152 / 42,910 tok/s (fp16 42,432 / 42,438 in the same runs).

@@ -1,5 +1,5 @@
-// AWQ W4A16 GEMM for decode batches of 17-64 tokens on Hopper's warpgroup tensor cores (wgmma, sm_90a), groups of
-// 128, dequantization fused: y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]), w_hat = fp16((q - z) * s), then the
+// AWQ W4A16 GEMM for decode batches on Hopper's warpgroup tensor cores (wgmma, sm_90a), groups of 128 (the engine
+// takes it from awq_gemv.WGMMA_DECODE_MIN_M = 32 to 64 tokens), dequantization fused: y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]), w_hat = fp16((q - z) * s), then the
 // residual or SwiGLU epilogue of awq_wgmma.cu.
 //
 // Why: awq_batch.cu (mma.sync, every warp converting its panel's fragments for its token half, B fragments by
