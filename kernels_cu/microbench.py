@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels_cu import awq_wgmma, build, int8_wgmma
+from kernels_cu import awq_wgmma, awq_wgmma_decode, build, int8_wgmma
 from kernels_cu import awq_gemv as awq_gemv_module
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
@@ -178,16 +178,19 @@ def random_awq_packed(k: int, n: int, group: int = 128, swiglu: bool = False) ->
 
 
 def bench_awq_gemv(m: int, k: int, n: int, bw: float, group: int = 128, batch: bool = False,
-                   splits: int | None = None) -> Row:
+                   splits: int | None = None, wgmma: bool = False) -> Row:
     """The engine's AWQ kernels on the repacked layout: awq_gemv, or with `batch` the batch GEMM
-    (awq_batch.cu; `splits` forces its K split count)."""
+    (awq_batch.cu; `splits` forces its K split count), or with `wgmma` its Hopper form (awq_wgmma_decode.cu)."""
     first = random_awq_packed(k, n, group)
     nbytes_w = first.nbytes()
     nc = copies_for(nbytes_w)
     packs = [first] + [AwqPacked(torch.randint_like(first.packed, -2**31, 2**31 - 1), first.terms, n, k, group,
                                  first.gs) for _ in range(nc - 1)]
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    if batch:
+    if wgmma:
+        us = time_graph(lambda i: awq_wgmma_decode.launch(x, packs[i], None, None, splits=splits), nc)
+        tag = f"awq-wgmma g{group}" + (f" s{splits}" if splits else "")
+    elif batch:
         us = time_graph(lambda i: awq_batch_gemm(x, packs[i], splits=splits), nc)
         tag = f"awq-batch g{group}" + (f" s{splits}" if splits else "")
     else:
@@ -306,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(bench_awq(m, k, n, bw))
                 rows.append(bench_awq_gemv(m, k, n, bw))
                 rows.append(bench_awq_gemv(m, k, n, bw, batch=True))
+                if build.has_wgmma(torch.cuda.current_device()):  # the decode-batch GEMM on Hopper
+                    rows.append(bench_awq_gemv(m, k, n, bw, wgmma=True))
                 for s in filter(None, args.batch_splits.split(",")):
                     rows.append(bench_awq_gemv(m, k, n, bw, batch=True, splits=int(s)))
                 for s in filter(None, args.awq_splits.split(",")):
@@ -319,11 +324,11 @@ def main(argv: list[str] | None = None) -> None:
         rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
     if "l2" in only:
         rows += [r for _, k, n in SHAPES_7B for kind in ("fp16", "int8", "awq") for r in bench_l2_residency(kind, k, n, bw)]
-    print(f"{'op':<14}{'shape':<14}{'M':>5}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
+    print(f"{'op':<17}{'shape':<14}{'M':>5}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
     for r in rows:
         t = f"{r.torch_us:10.2f}  {r.torch_us / r.us:.2f}x {r.torch_what}" if r.torch_us else ""
         t += f"{r.tflops:10.0f} TFLOP/s" if r.tflops else ""
-        print(f"{r.op:<14}{r.shape:<14}{r.m:>5}{r.us:9.2f}{r.gbps:8.0f}{r.pct_copy:7.1f}{t}")
+        print(f"{r.op:<17}{r.shape:<14}{r.m:>5}{r.us:9.2f}{r.gbps:8.0f}{r.pct_copy:7.1f}{t}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": info, "copy_gbps": bw, "rows": [asdict(r) for r in rows]}, f, indent=1)
