@@ -180,7 +180,8 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
                out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
                fold_out: FoldOut | None = None) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to GEMV_MAX_M rows (the batch GEMM from
-    BATCH_MIN_M where N % 64 == 0, its wgmma form from WGMMA_DECODE_MIN_M on Hopper with groups of 128), else the fused GEMM (awq_wgmma.py) where it runs, or w_hat + cuBLAS.
+    BATCH_MIN_M where N % 64 == 0, its wgmma form from WGMMA_DECODE_MIN_M on Hopper with groups of 128), else
+    the fused GEMM (awq_wgmma.py) where it runs, or w_hat + cuBLAS.
     fold_in / fold_out: the deferred RMSNorm (norm_fold.py), on the GEMV path only (`folds`)."""
     M = _check(x, p, residual)
     if fold_in is not None or fold_out is not None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels_cu import build, counters
-from kernels_cu.checks import out_or_new
+from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import cdiv, sm_count
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: 
     M = x.shape[0]
     with build.on_stream():
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=16)  # 16-byte row stores
+        if residual is not None:  # read as 16-byte rows in the epilogue
+            check_tensor(residual, "residual", torch.float16, (M, p.n), align=16)
         if M == 0:
             return y
         lp = plan(M, p.n, p.tiles, sm_count(x.device.index), splits)
