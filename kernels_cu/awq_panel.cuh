@@ -1,11 +1,12 @@
 // A warp's 16-channel panel of the engine's int4 layout (awq_layout.cuh) as the register A operand of Hopper's
 // wgmma (awq_wgmma.cu: prefill; awq_wgmma_decode.cu: decode batches): a 128-k tile's packed words and terms loaded
-// into registers, rearranged to the natural k order, converted to w_hat fragments; and the stmatrix store both
-// epilogues stage their accumulators with.
+// into registers, rearranged to the natural k order, converted to w_hat fragments; and the epilogue both write a
+// warpgroup's accumulators with (stmatrix staging, 16-byte rows, residual or SwiGLU).
 #pragma once
 #include "awq_layout.cuh"
 #include "common.cuh"
 #include "gemm_common.cuh"
+#include "wgmma.cuh"
 
 namespace fllama {
 
@@ -85,6 +86,82 @@ __device__ __forceinline__ void convert_stage(const PanelTile& pt, int half, uin
 #else
         awq_a_frag_hat(pt.w, 4 * half + ks, tm, s2, a[ks]);
 #endif
+    }
+}
+
+// A warpgroup's epilogue. d[4 j + 2 h + e] (wgmma's m64 nBT accumulators): channel c0 + 16 w + 8 h + lane / 4 (rows
+// g and g + 8 of warp w's panel), token m0 + 8 j + 2 (lane % 4) + e. They are staged transposed by stmatrix in
+// shared memory (`stage`, its shared address `stage_addr`: BT rows of AWQ_ROW_PLAIN bytes, AWQ_ROW_SILU with SwiGLU),
+// then written as coalesced 16-byte rows of y by the warpgroup's 128 threads (ct: the thread's index among them;
+// `bar`: a named barrier of those 128). EPI 0: y [M, N]; 1: + residual (an fp16 add after rounding; y may be the
+// residual); 2: y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up of a gate|up weight interleaved by 8 (rows g: gate
+// feature c0 / 2 + 8 w + g, rows g + 8: the same up feature). Rows from rows_here on, channels from N on: not written.
+constexpr int AWQ_ROW_PLAIN = 144;  // staging row of 64 channels (128 bytes) + 16: stmatrix conflict-free
+constexpr int AWQ_ROW_SILU = 80;    // staging row of 32 features (64 bytes) + 16
+
+template <int EPI, int BT>
+__device__ __forceinline__ void awq_store_warpgroup(const float (&d)[BT / 2], unsigned char* stage,
+                                                    uint32_t stage_addr, int w, int lane, int ct, int bar,
+                                                    __half* y, const __half* residual, int N, int m0,
+                                                    int rows_here, int c0) {
+    const int mi = lane >> 3, rr = lane & 7;  // the matrix and row whose address this lane gives stmatrix
+    if (EPI == 2) {
+        // One 8x8 output matrix per token block j. Staging: [BT tokens][32 features of the warpgroup].
+#pragma unroll
+        for (int q = 0; q < BT / 32; ++q) {
+            uint32_t r[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int j = 4 * q + m;
+                __half o[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const __half gate = __float2half_rn(d[4 * j + e]);
+                    const __half up = __float2half_rn(d[4 * j + 2 + e]);
+                    o[e] = __hmul_rn(silu_h(__half2float(gate)), up);
+                }
+                r[m] = h2_bits(__halves2half2(o[0], o[1]));
+            }
+            stmatrix_x4_trans(stage_addr + (8 * (4 * q + mi) + rr) * AWQ_ROW_SILU + 16 * w, r[0], r[1], r[2], r[3]);
+        }
+        named_barrier(bar, 128);
+        const int F = N / 2, f0 = c0 / 2;
+#pragma unroll 4
+        for (int i = 0; i < BT * 4 / 128; ++i) {
+            const int id = i * 128 + ct, row = id >> 2, c = id & 3;
+            if (row >= rows_here || f0 + 8 * c >= F) continue;
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + row * AWQ_ROW_SILU + 16 * c);
+            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * F + f0 + 8 * c) = v;
+        }
+    } else {
+        // Staging: [BT tokens][64 channels of the warpgroup]; matrix m of call q: j = 2 q + m / 2, h = m % 2.
+#pragma unroll
+        for (int q = 0; q < BT / 16; ++q) {
+            uint32_t r[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int j = 2 * q + (m >> 1), h = m & 1;
+                r[m] = pack_h2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            }
+            stmatrix_x4_trans(stage_addr + (8 * (2 * q + (mi >> 1)) + rr) * AWQ_ROW_PLAIN + 2 * (16 * w + 8 * (mi & 1)),
+                              r[0], r[1], r[2], r[3]);
+        }
+        named_barrier(bar, 128);
+#pragma unroll 4
+        for (int i = 0; i < BT * 8 / 128; ++i) {
+            const int id = i * 128 + ct, row = id >> 3, c = id & 7;
+            if (row >= rows_here || c0 + 8 * c >= N) continue;
+            uint4 v = *reinterpret_cast<const uint4*>(stage + row * AWQ_ROW_PLAIN + 16 * c);
+            const size_t o = (size_t)(m0 + row) * N + c0 + 8 * c;
+            if (EPI == 1) {
+                const uint4 res = *reinterpret_cast<const uint4*>(residual + o);
+                v.x = h2_bits(__hadd2(bits_h2(v.x), bits_h2(res.x)));
+                v.y = h2_bits(__hadd2(bits_h2(v.y), bits_h2(res.y)));
+                v.z = h2_bits(__hadd2(bits_h2(v.z), bits_h2(res.z)));
+                v.w = h2_bits(__hadd2(bits_h2(v.w), bits_h2(res.w)));
+            }
+            *reinterpret_cast<uint4*>(y + o) = v;
+        }
     }
 }
 

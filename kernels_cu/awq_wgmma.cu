@@ -69,8 +69,6 @@ static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 512, "three warps of a sub-pa
 #endif
 constexpr int XS = FLLAMA_AWQ_WGMMA_SLOTS;  // x stages in shared memory, 32 KB each
 constexpr int X_BYTES = BT * SW128_ROW;   // 32 KB a stage
-constexpr int ROW_PLAIN = 144;            // staging row of 64 channels (128 bytes) + 16: stmatrix conflict-free
-constexpr int ROW_SILU = 80;              // staging row of 32 features (64 bytes) + 16
 #ifndef FLLAMA_AWQ_WGMMA_CLUSTER
 #define FLLAMA_AWQ_WGMMA_CLUSTER 2
 #endif
@@ -79,7 +77,7 @@ constexpr int X_PART = X_BYTES / CLUSTER;   // the rows of a stage each block of
 constexpr int BAR_OFFSET = XS * X_BYTES;    // mbarriers after the ring: full[XS], then empty[XS]
 constexpr int FULL = 0, EMPTY = 8 * XS;
 constexpr int SMEM_BYTES = BAR_OFFSET + 16 * XS + SW128_ALIGN;
-static_assert(2 * BT * ROW_PLAIN <= XS * X_BYTES, "the epilogue staging reuses the x ring");
+static_assert(2 * BT * AWQ_ROW_PLAIN <= XS * X_BYTES, "the epilogue staging reuses the x ring");
 
 // TMA: box (k0 .. k0 + 63, rows r0 .. r0 + 127) of x into the same shared-memory offset of both blocks of
 // the pair (multicast), completing on the mbarrier at offset `bar` of each.
@@ -241,71 +239,10 @@ __device__ __forceinline__ void awq_wgmma(__half* y, const void* __restrict__ xm
     named_barrier(1, CONSUMERS);  // both warpgroups are done with the x ring: it becomes the staging area
     const int rows_here = min(BT, M - m0);
 
-    // Accumulator d[4 j + 2 h + e]: channel 16 w + 8 h + lane / 4 of the warpgroup, token 8 j + 2 (lane % 4) + e.
-    const int mi = lane >> 3, rr = lane & 7;  // the matrix and row whose address this lane gives stmatrix
-    const int ct = tid & 127;
-    if (EPI == 2) {
-        // Rows g (gate f) and g + 8 (up f) of a panel are the same feature f = 8 panel + g: one 8x8 output
-        // matrix per token block j. Staging: [256 tokens][32 features of the warpgroup].
-        const uint32_t st = smem_addr + cw * (BT * ROW_SILU);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            uint32_t r[4];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int j = 4 * q + m;
-                __half o[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const __half gate = __float2half_rn(d[4 * j + e]);
-                    const __half up = __float2half_rn(d[4 * j + 2 + e]);
-                    o[e] = __hmul_rn(silu_h(__half2float(gate)), up);
-                }
-                r[m] = h2_bits(__halves2half2(o[0], o[1]));
-            }
-            stmatrix_x4_trans(st + (8 * (4 * q + mi) + rr) * ROW_SILU + 16 * w, r[0], r[1], r[2], r[3]);
-        }
-        named_barrier(2 + cw, 128);
-        const int F = N / 2, f0 = n0 / 2 + 32 * cw;
-#pragma unroll 4
-        for (int i = 0; i < BT * 4 / 128; ++i) {
-            const int id = i * 128 + ct, row = id >> 2, c = id & 3;
-            if (row >= rows_here || f0 + 8 * c >= F) continue;
-            const uint4 v = *reinterpret_cast<const uint4*>(smem + cw * (BT * ROW_SILU) + row * ROW_SILU + 16 * c);
-            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * F + f0 + 8 * c) = v;
-        }
-    } else {
-        // Staging: [256 tokens][64 channels of the warpgroup]; matrix m of call q: j = 2 q + m / 2, h = m % 2.
-        const uint32_t st = smem_addr + cw * (BT * ROW_PLAIN);
-#pragma unroll
-        for (int q = 0; q < 16; ++q) {
-            uint32_t r[4];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int j = 2 * q + (m >> 1), h = m & 1;
-                r[m] = pack_h2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-            }
-            stmatrix_x4_trans(st + (8 * (2 * q + (mi >> 1)) + rr) * ROW_PLAIN + 2 * (16 * w + 8 * (mi & 1)),
-                              r[0], r[1], r[2], r[3]);
-        }
-        named_barrier(2 + cw, 128);
-        const int c0 = n0 + 64 * cw;
-#pragma unroll 4
-        for (int i = 0; i < BT * 8 / 128; ++i) {
-            const int id = i * 128 + ct, row = id >> 3, c = id & 7;
-            if (row >= rows_here || c0 + 8 * c >= N) continue;
-            uint4 v = *reinterpret_cast<const uint4*>(smem + cw * (BT * ROW_PLAIN) + row * ROW_PLAIN + 16 * c);
-            const size_t o = (size_t)(m0 + row) * N + c0 + 8 * c;
-            if (EPI == 1) {
-                const uint4 res = *reinterpret_cast<const uint4*>(residual + o);
-                v.x = h2_bits(__hadd2(bits_h2(v.x), bits_h2(res.x)));
-                v.y = h2_bits(__hadd2(bits_h2(v.y), bits_h2(res.y)));
-                v.z = h2_bits(__hadd2(bits_h2(v.z), bits_h2(res.z)));
-                v.w = h2_bits(__hadd2(bits_h2(v.w), bits_h2(res.w)));
-            }
-            *reinterpret_cast<uint4*>(y + o) = v;
-        }
-    }
+    // The warpgroup's staging area in the x ring: BT rows of 64 channels (or 32 SwiGLU features).
+    const int stage = cw * BT * (EPI == 2 ? AWQ_ROW_SILU : AWQ_ROW_PLAIN);
+    awq_store_warpgroup<EPI, BT>(d, smem + stage, smem_addr + stage, w, lane, tid & 127, 2 + cw, y, residual, N, m0,
+                                 rows_here, n0 + 64 * cw);
     cluster_sync();  // the peer may still arrive on this block's barriers until it leaves its main loop
 }
 

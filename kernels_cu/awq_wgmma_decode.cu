@@ -20,8 +20,8 @@
 //   K is split over gridDim.y blocks when the 64-channel blocks alone leave SMs idle (o_proj, down_proj): each
 //     block writes fp32 partials, the last of a column (a counter) sums them in split order (deterministic) into
 //     its accumulators and runs the epilogue; with one split the block writes y directly.
-//   Epilogue (awq_wgmma.cu's): accumulators (rows = channels, columns = tokens) staged transposed by stmatrix in
-//     the x ring, then coalesced 16-byte rows of y.
+//   Epilogue (awq_panel.cuh's awq_store_warpgroup, as awq_wgmma.cu's): accumulators (rows = channels, columns =
+//     tokens) staged transposed by stmatrix in the x ring, then coalesced 16-byte rows of y.
 // Entry points awq_wgmma_decode_t{BT}_{plain|res|silu}(y, x, packed, terms, residual, partial, counters, M, N, K,
 //   tiles, tiles_per_split); grid (N / 64, splits, ceil(M / BT)), block 160, dynamic shared memory
 //   awq_wgmma_decode.py's smem_bytes(BT).
@@ -49,8 +49,6 @@ constexpr int XS = 8;  // x stages in the ring (swept 8 / 12 / 16 / 24: no gain 
 // Copy groups the copy warp keeps in flight before arriving. The consumers hold a tile's two stages at once and
 // release tile t - 1's only after issuing tile t, so the copy warp must not wait on a slot they still hold: XS - 4.
 constexpr int XD = XS - 4;
-constexpr int ROW_PLAIN = 144;           // staging row of 64 channels (128 bytes) + 16: stmatrix conflict-free
-constexpr int ROW_SILU = 80;             // staging row of 32 features (64 bytes) + 16
 
 template <int BT>
 struct Layout {
@@ -59,7 +57,7 @@ struct Layout {
     static constexpr int BAR = XS * X_BYTES;         // mbarriers after the ring: full[XS], empty[XS]
     static constexpr int FULL = 0, EMPTY = 8 * XS;
     static constexpr int SMEM = BAR + 16 * XS + SW128_ALIGN;
-    static_assert(BT * ROW_PLAIN <= BAR, "the epilogue staging reuses the x ring");
+    static_assert(BT * AWQ_ROW_PLAIN <= BAR, "the epilogue staging reuses the x ring");
 };
 
 // d (the warpgroup's 64 channels x BT tokens, fp32) += w_hat (64 x 16, registers) * x (BT x 16)^T.
@@ -263,66 +261,7 @@ __device__ __forceinline__ void awq_wgmma_decode(__half* y, const __half* __rest
     }
     named_barrier(1, CONSUMERS);  // every warp is done with the x ring: it becomes the staging area
     const int rows_here = min(BT, M - m0);
-    const int mi = lane >> 3, rr = lane & 7;  // the matrix and row whose address this lane gives stmatrix
-    if (EPI == 2) {
-        // Rows g (gate f) and g + 8 (up f) of a panel are the same feature f = 8 panel + g: one 8x8 output
-        // matrix per token block j. Staging: [BT tokens][32 features of the block].
-#pragma unroll
-        for (int q = 0; q < BT / 32; ++q) {
-            uint32_t r[4];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int j = 4 * q + m;
-                __half o[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const __half gate = __float2half_rn(d[4 * j + e]);
-                    const __half up = __float2half_rn(d[4 * j + 2 + e]);
-                    o[e] = __hmul_rn(silu_h(__half2float(gate)), up);
-                }
-                r[m] = h2_bits(__halves2half2(o[0], o[1]));
-            }
-            stmatrix_x4_trans(smem_addr + (8 * (4 * q + mi) + rr) * ROW_SILU + 16 * warp, r[0], r[1], r[2], r[3]);
-        }
-        named_barrier(1, CONSUMERS);
-        const int F = N / 2, f0 = n0 / 2;
-#pragma unroll
-        for (int i = 0; i < BT * 4 / CONSUMERS; ++i) {
-            const int id = i * CONSUMERS + tid, row = id >> 2, c = id & 3;
-            if (row >= rows_here || f0 + 8 * c >= F) continue;
-            const uint4 v = *reinterpret_cast<const uint4*>(smem + row * ROW_SILU + 16 * c);
-            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * F + f0 + 8 * c) = v;
-        }
-    } else {
-        // Staging: [BT tokens][64 channels]; matrix m of call q: j = 2 q + m / 2, h = m % 2.
-#pragma unroll
-        for (int q = 0; q < BT / 16; ++q) {
-            uint32_t r[4];
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int j = 2 * q + (m >> 1), h = m & 1;
-                r[m] = pack_h2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-            }
-            stmatrix_x4_trans(smem_addr + (8 * (2 * q + (mi >> 1)) + rr) * ROW_PLAIN + 2 * (16 * warp + 8 * (mi & 1)),
-                              r[0], r[1], r[2], r[3]);
-        }
-        named_barrier(1, CONSUMERS);
-#pragma unroll
-        for (int i = 0; i < BT * 8 / CONSUMERS; ++i) {
-            const int id = i * CONSUMERS + tid, row = id >> 3, c = id & 7;
-            if (row >= rows_here || n0 + 8 * c >= N) continue;
-            uint4 v = *reinterpret_cast<const uint4*>(smem + row * ROW_PLAIN + 16 * c);
-            const size_t o = (size_t)(m0 + row) * N + n0 + 8 * c;
-            if (EPI == 1) {
-                const uint4 res = *reinterpret_cast<const uint4*>(residual + o);
-                v.x = h2_bits(__hadd2(bits_h2(v.x), bits_h2(res.x)));
-                v.y = h2_bits(__hadd2(bits_h2(v.y), bits_h2(res.y)));
-                v.z = h2_bits(__hadd2(bits_h2(v.z), bits_h2(res.z)));
-                v.w = h2_bits(__hadd2(bits_h2(v.w), bits_h2(res.w)));
-            }
-            *reinterpret_cast<uint4*>(y + o) = v;
-        }
-    }
+    awq_store_warpgroup<EPI, BT>(d, smem, smem_addr, warp, lane, tid, 1, y, residual, N, m0, rows_here, n0);
 }
 
 }  // namespace
