@@ -88,11 +88,7 @@ def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: 
             return y
         lp = plan(M, p.n, p.tiles, p.gpt, sm_count(x.device.index), splits)
         grid = lp.grid(M, p.n)
-        partial = None
-        counts = None
-        if lp.splits > 1:
-            partial = torch.empty((lp.splits, M, p.n), dtype=torch.float32, device=x.device)  # [S, M, N]
-            counts = counters.counters(COUNTER_POOL, x.device, grid[0] * grid[2])
+        partial, counts = counters.split_k_workspace(COUNTER_POOL, x.device, lp.splits, M, p.n, grid[0] * grid[2])
         fn = build.get_function("awq_batch.cu", f"awq_batch_mt{lp.mt}_g{p.gpt}_{p.epilogue(residual)}",
                                 "PPPPPPPiiiii")
         fn(grid, (threads(lp.mt),), y, x, p.packed, p.terms, residual, partial, counts, M, p.n, p.k, p.tiles,

@@ -1,4 +1,5 @@
-"""Launcher of awq_wgmma_decode.cu: the AWQ GEMM for decode batches of 17-64 tokens on Hopper (wgmma), groups of 128.
+"""Launcher of awq_wgmma_decode.cu: the AWQ GEMM for decode batches on Hopper (wgmma), groups of 128 (awq_linear takes
+it from WGMMA_DECODE_MIN_M = 32 to GEMV_MAX_M = 64 tokens).
 
     y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)   (+ residual, or SwiGLU)
 
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
 CHANNELS = 64  # per block: awq_wgmma_decode.cu BN
 THREADS = 160  # a consumer warpgroup and the copy warp
 SLOTS = 8  # x stages in the ring (XS)
-BK = 64  # k per stage
-MAX_M = 64  # tokens the widest token tile (BT = 64) takes in one block row
 COUNTER_POOL = "awq_wgmma_decode"
 # K splits: as many as keep the grid within GRID_BLOCKS_PER_SM blocks an SM (1.5 waves of the two resident blocks
 # the registers allow), at most MAX_SPLITS, each at least MIN_TILES_PER_SPLIT 128-k tiles. At 32 tokens this gives
@@ -64,8 +63,8 @@ class DecodeLaunch:
 
 
 def plan(m: int, n: int, tiles: int, sms: int, splits: int | None = None) -> DecodeLaunch:
-    """The token tile and the K splits (GRID_BLOCKS_PER_SM, MAX_SPLITS, MIN_TILES_PER_SPLIT); `splits` forces the count (tuning).
-    No split is left empty."""
+    """The token tile and the K splits (GRID_BLOCKS_PER_SM, MAX_SPLITS, MIN_TILES_PER_SPLIT); `splits` forces the
+    count (tuning). No split is left empty."""
     bt = token_tile(m)
     columns = (n // CHANNELS) * cdiv(m, bt)
     if splits is None:
@@ -76,8 +75,8 @@ def plan(m: int, n: int, tiles: int, sms: int, splits: int | None = None) -> Dec
 
 
 def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: torch.Tensor | None,
-           splits: int | None = None, options: tuple[str, ...] = ()) -> torch.Tensor:
-    """x fp16 [M, K] (checked by the caller) -> y fp16 [M, p.out_features]; `options` are nvcc flags (tuning)."""
+           splits: int | None = None) -> torch.Tensor:
+    """x fp16 [M, K] (checked by the caller) -> y fp16 [M, p.out_features]; `splits` forces the K splits (tuning)."""
     M = x.shape[0]
     with build.on_stream():
         y = out_or_new(out, (M, p.out_features), torch.float16, x, "out", align=16)  # 16-byte row stores
@@ -87,13 +86,9 @@ def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: 
             return y
         lp = plan(M, p.n, p.tiles, sm_count(x.device.index), splits)
         grid = lp.grid(M, p.n)
-        partial = None
-        counts = None
-        if lp.splits > 1:
-            partial = torch.empty((lp.splits, M, p.n), dtype=torch.float32, device=x.device)  # [S, M, N]
-            counts = counters.counters(COUNTER_POOL, x.device, grid[0] * grid[2])
+        partial, counts = counters.split_k_workspace(COUNTER_POOL, x.device, lp.splits, M, p.n, grid[0] * grid[2])
         fn = build.get_function("awq_wgmma_decode.cu", f"awq_wgmma_decode_t{lp.bt}_{p.epilogue(residual)}",
-                                "PPPPPPPiiiii", options)
+                                "PPPPPPPiiiii")
         fn(grid, (THREADS,), y, x, p.packed, p.terms, residual, partial, counts, M, p.n, p.k, p.tiles,
            lp.tiles_per_split, shared=smem_bytes(lp.bt))
     return y

@@ -1,6 +1,7 @@
 """Zeroed int32 counters for kernels whose last block to finish combines the others' partial results
-(threadFenceReduction: attention_decode.cu, awq_batch.cu). Each kernel family owns its own pool; a kernel
-leaves every counter it used at zero again, so one pool serves every later launch and every CUDA graph."""
+(threadFenceReduction: attention_decode.cu, awq_batch.cu, awq_wgmma_decode.cu). Each kernel family owns its own
+pool; a kernel leaves every counter it used at zero again, so one pool serves every later launch and every CUDA
+graph."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ def counters(pool: str, device: torch.device, n: int) -> torch.Tensor:
         have = _POOLS[(pool, index)] = torch.zeros(max(n, MIN_COUNT), dtype=torch.int32, device=device)  # [n]
     return have
 
+
+
+def split_k_workspace(pool: str, device: torch.device, splits: int, m: int, n: int,
+                      columns: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A K-split GEMM's workspace (awq_batch.cu, awq_wgmma_decode.cu): fp32 partials [splits, m, n] and the pool's
+    counters, one per output column of blocks (the last block of a column to finish sums the partials); with one
+    split (None, None), the blocks writing the output themselves."""
+    if splits <= 1:
+        return None, None
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=device)  # [S, M, N]
+    return partial, counters(pool, device, columns)
 
 def pools(pool: str) -> list[torch.Tensor]:
     """Every live tensor of the pool (tests check they are zero between launches)."""
