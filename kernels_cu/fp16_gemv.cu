@@ -12,6 +12,12 @@
 // this GEMV a producer (also xg = fp16(h * fold_w) and each panel's sum of h^2; N % 16 == 0), fold_in a
 // consumer (x is xg, each token's sums scaled by its rstd before rounding).
 // grid (ceil(N / 16), ceil(M / (8 * MT))), block 256.
+//
+// w8a16_gemv_mt{1,2}: the same GEMV on int8 weights with an fp32 scale per output channel (the engine's int8
+// lm_head, EngineConfig.lm_head_int8): y[m, n] = fp16(scale[n] * sum_k x[m, k] * q[n, k]). Half the weight bytes
+// through the same ring: a lane's 16 bytes of a row are 16 k's (TILE_K 64), its activations 32 bytes (GlobalX32),
+// and each byte becomes an exact fp16 (i8x4_to_h2x2) for the same m16n8k16 mma; the scale multiplies the fp32 sum.
+// grid (ceil(M / (8 * MT)), ceil(N / 16)): the token tiles of a panel side by side.
 #include "gemm_common.cuh"
 #include "norm_fold.cuh"
 
@@ -21,7 +27,6 @@ namespace {
 
 constexpr int WARPS = 8;
 constexpr int UNROLL = 4;
-constexpr int TILE_K = 32;
 
 // The main loop's hook for a deferred-norm consumer (fold_in non-null): the partial sums towards L1 right
 // after the PDL wait (norm_fold.cuh).
@@ -33,27 +38,52 @@ struct FoldHook {
     }
 };
 
+// The int8 weights' mma: a lane's words of rows g / g + 8 (a0, a1: k's kq..kq + 3; a2, a3: kq + 4..kq + 7) and
+// the 8 activations of those k's (x: 4 words of k pairs), as two m16n8k16 mma of 4 k's each (the k order inside
+// an mma is free as long as A and B agree: a0/a2 = pairs (kq, kq + 1) / (kq + 2, kq + 3) of row g, b0/b1 the same).
+struct W8Mma {
+    __device__ __forceinline__ void operator()(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               const uint4& x) const {
+        uint32_t lo0, hi0, lo1, hi1;
+        i8x4_to_h2x2(a0, lo0, hi0);
+        i8x4_to_h2x2(a1, lo1, hi1);
+        mma_f16_16816(c, lo0, lo1, hi0, hi1, x.x, x.y);
+        i8x4_to_h2x2(a2, lo0, hi0);
+        i8x4_to_h2x2(a3, lo1, hi1);
+        mma_f16_16816(c, lo0, lo1, hi0, hi1, x.z, x.w);
+    }
+};
+
 // EPI: 0 plain, 1 + residual, 2 SwiGLU of a gate|up weight interleaved by 8 (block rows 0-7 = gate
 // channels 8b.., rows 8-15 = the same up channels): y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up.
-template <int MT, int EPI>
+// WT: __half weights, or int8_t with w_scale (fp32 [N]; the w8a16 entries, EPI 0 only).
+template <int MT, int EPI, typename WT = __half>
 __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* __restrict__ x,
-                                          const __half* __restrict__ weight, const __half* __restrict__ residual,
+                                          const WT* __restrict__ weight, const __half* __restrict__ residual,
                                           int M, int N, int K, const __half* __restrict__ fold_w,
                                           __half* __restrict__ fold_xg, float* __restrict__ fold_part,
-                                          const float* __restrict__ fold_in, float eps) {
+                                          const float* __restrict__ fold_in, float eps,
+                                          const float* __restrict__ w_scale = nullptr) {
+    constexpr bool W8 = sizeof(WT) == 1;
+    static_assert(!W8 || EPI == 0, "int8 weights: the plain epilogue (the lm_head)");
+    constexpr int TILE_K = 64 / sizeof(WT);  // k's of a row's 64 bytes
+    constexpr int LANE_K = 16 / sizeof(WT);  // k's of a lane's 16 bytes
     __shared__ float red[WARPS][MT][4][32];
     __shared__ float s_rstd[8 * MT];
     extern __shared__ __align__(128) uint8_t gemv_ring[];  // the main loop's (gemm_common.cuh)
     if (dynamic_smem_size() < gemv_ring_bytes<WARPS, UNROLL>()) __trap();  // the launcher's shared=
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16;
-    const int m0 = blockIdx.y * 8 * MT;
+    // int8 weights: grid (token tiles, panels), so that a panel's token tiles are neighbouring blocks and share its
+    // lines in L2 (H100, 32 x 4,096 x 32,000: 100 -> 89 us against the (panels, tiles) order; each tile's block
+    // still converts every weight of the panel, so 64 rows take 172 us)
+    const int n0 = (W8 ? blockIdx.y : blockIdx.x) * 16;
+    const int m0 = (W8 ? blockIdx.x : blockIdx.y) * 8 * MT;
     const int rows = min(M - m0, 8 * MT);
 
     bool x_ok[MT];
     const __half* x_row[MT];
-    token_rows<MT>(x, M, K, m0, g, 8 * t, x_ok, x_row);
+    token_rows<MT>(x, M, K, m0, g, LANE_K * t, x_ok, x_row);
 
     float acc[MT][4];
 #pragma unroll
@@ -64,10 +94,16 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
     if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[n0 + g], fold_w[n0 + g + 8]);
 
-    gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 8 * t, warp, M, acc,
-                                         [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                            uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); },
-                                         FoldHook{fold_in, m0, rows, K});
+    if constexpr (W8) {
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, LANE_K * t, warp, M,
+                                             acc, W8Mma{}, FoldHook{fold_in, m0, rows, K}, GlobalX32{});
+    } else {
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, LANE_K * t, warp, M,
+                                             acc,
+                                             [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint32_t b0, uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); },
+                                             FoldHook{fold_in, m0, rows, K});
+    }
     // the deferred norm: each warp's rstd (its 8 MT / WARPS tokens), read by all after the barrier below
     if (fold_in != nullptr) fold_rstd<WARPS, MT>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
 
@@ -93,7 +129,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
         return;
     }
     const float rstd = fold_in != nullptr && m < M ? s_rstd[m - m0] : 1.0f;
-    const float sum = fold_in != nullptr ? red_sum(r) * rstd : red_sum(r);
+    float sum = fold_in != nullptr ? red_sum(r) * rstd : red_sum(r);
     if (EPI == 2) {  // r 0, 1: gate channel g of this block; r + 2: the matching up channel (same order)
         if (r < 2 && m < M) {
             const float up_sum = fold_in != nullptr ? red_sum(r + 2) * rstd : red_sum(r + 2);
@@ -104,6 +140,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     }
     const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
     if (n < N && m < M) {
+        if constexpr (W8) sum *= w_scale[n];
         const size_t o = (size_t)m * N + n;
         const __half h = __float2half_rn(sum);
         y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;  // fp16 add after rounding, like the reference
@@ -127,3 +164,18 @@ FLLAMA_FP16_GEMV(fp16_gemv_mt1_res, 1, 1)
 FLLAMA_FP16_GEMV(fp16_gemv_mt2_res, 2, 1)
 FLLAMA_FP16_GEMV(fp16_gemv_mt1_silu, 1, 2)
 FLLAMA_FP16_GEMV(fp16_gemv_mt2_silu, 2, 2)
+
+// (y fp16 [M,N], x fp16 [M,K], qweight int8 [N,K], w_scale f32 [N], int M, int N, int K, fold_in f32 [M,K/16] or
+//  null, float eps)
+#define FLLAMA_W8A16_GEMV(NAME, MT, BLOCKS)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS)                                               \
+        NAME(__half* y, const __half* x, const int8_t* qweight, const float* w_scale, int M, int N, int K,  \
+             const float* fold_in, float eps) {                                                             \
+        fp16_gemv<MT, 0, int8_t>(y, x, qweight, nullptr, M, N, K, nullptr, nullptr, nullptr, fold_in, eps, \
+                                 w_scale);                                                                  \
+    }
+
+// One token tile in 80 registers: three blocks a SM, as the ring's shared memory allows (104 registers, two blocks,
+// without the cap); two tiles keep two blocks (the cap of three spills 188 bytes).
+FLLAMA_W8A16_GEMV(w8a16_gemv_mt1, 1, 3)
+FLLAMA_W8A16_GEMV(w8a16_gemv_mt2, 2, 2)

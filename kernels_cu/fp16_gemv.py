@@ -8,6 +8,12 @@ epilogue (beta = 1; within the reference's tolerance of the rounded product + fp
 
 SwiGLU: a gate|up weight interleaved by 8 (swiglu_layout.py) lets `fp16_swiglu` write silu(gate) * up from
 the GEMV's epilogue; beyond 16 rows silu_mul_interleaved does it in one kernel after cuBLAS.
+
+int8 weights with fp16 activations (`w8a16_linear`, the engine's int8 lm_head): the same GEMV on half the bytes,
+
+    y[m, n] = fp16(w_scale[n] * sum_k x[m, k] * qweight[n, k])   (calibrate.int8's per-channel codes)
+
+up to W8A16_GEMV_MAX_M rows; above, each chunk of W8A16_CHUNK_ROWS channels dequantized to fp16 for cuBLAS.
 """
 
 from __future__ import annotations
@@ -24,6 +30,12 @@ from kernels_cu.swiglu_layout import swiglu_interleaved
 DECODE_MAX_M = 16
 # y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPiiiPPPPf"
+# Up to 64 rows (the engine's largest decode bucket) the int8-weight GEMV: a panel's 16-row tiles run side by side,
+# so the weight comes from DRAM about once and from L2 for the other tiles.
+W8A16_GEMV_MAX_M = 64
+W8A16_CHUNK_ROWS = 8192  # channels dequantized at a time above it (an fp16 chunk of 16 MB at K = 1,024)
+# y, x, qweight, w_scale, M, N, K, fold_in, eps
+W8A16_SIGNATURE = "PPPPiiiPf"
 
 
 def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
@@ -86,6 +98,45 @@ def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out:
     grid = gemv_grid(M, N)
     fn(grid, (GEMV_THREADS,), y, x, weight, residual, M, N, K, *norm_fold.out_args(fold_out),
        *norm_fold.in_args(fold_in), shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 fold_in: FoldIn | None = None) -> torch.Tensor:
+    """x fp16 [M, K], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N]: the GEMV up to W8A16_GEMV_MAX_M
+    rows (fold_in: the deferred RMSNorm), cuBLAS on dequantized chunks above (the weight rounded to fp16 once)."""
+    if x.dim() != 2 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]:
+        raise ValueError(f"x [M, K] and qweight [N, K] expected, got {tuple(x.shape)} and {tuple(qweight.shape)}")
+    (M, K), N = x.shape, qweight.shape[0]
+    check_multiple(K, 16, "the int8-weight GEMV's K")
+    check_tensor(x, "x", torch.float16)
+    check_tensor(qweight, "qweight", torch.int8)
+    check_tensor(w_scale, "w_scale", torch.float32, (N,), align=4)
+    with build.on_stream():
+        y = out_or_new(out, (M, N), torch.float16, x, "out", align=2)
+        if M == 0 or N == 0:
+            return y
+        if M <= W8A16_GEMV_MAX_M:
+            norm_fold.check_in(fold_in, M, K)
+            panels, tiles = gemv_grid(M, N)
+            grid = (tiles, panels)  # a panel's token tiles side by side
+            fn = build.get_function("fp16_gemv.cu", f"w8a16_gemv_mt{token_tile(M)}", W8A16_SIGNATURE)
+            fn(grid, (GEMV_THREADS,), y, x, qweight, w_scale, M, N, K, *norm_fold.in_args(fold_in),
+               shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+            return y
+        if fold_in is not None:
+            raise ValueError(f"the deferred RMSNorm runs on the int8-weight GEMV only (M <= {W8A16_GEMV_MAX_M})")
+        w = torch.empty(min(N, W8A16_CHUNK_ROWS), K, dtype=torch.float16, device=x.device)
+        for n0 in range(0, N, W8A16_CHUNK_ROWS):
+            n1 = min(N, n0 + W8A16_CHUNK_ROWS)
+            # one kernel: code * scale in fp32, rounded to fp16 as it is stored (dequantize_weight_int8's bits)
+            wc = torch.mul(qweight[n0:n1], w_scale[n0:n1, None], out=w[:n1 - n0])  # [n1 - n0, K]
+            y[:, n0:n1] = torch.matmul(x, wc.t())
+    return y
+
+
+def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """float64 sums of x * code, times the channel's scale, rounded once to fp16."""
+    return ((x.double() @ qweight.double().t()) * w_scale.double()).to(torch.float16)  # [M, N]
 
 
 def fp16_swiglu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -243,9 +243,10 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 // ---- the fp16 / int8 decode GEMV main loop ---------------------------------------------------------
 // Block = WARPS warps on 16 output channels: mma rows g (weight rows lo_row + g) and g + 8 (hi_row + g), the
 // warps splitting K in steps of UNROLL tiles of TILE_K (64 bytes of a row). Per tile lane (g, t) feeds the mma
-// 16 bytes of rows g and g + 8 at byte 16 t of the tile and 16 bytes of each of its MT token rows (x_row[mt]
-// already points at the lane's offset lane_k); mma(acc[mt], a0, a1, a2, a3, b0, b1) takes the two k-halves of
-// them (a0/a2 = words 0-1 of row g, then 2-3).
+// 16 bytes of rows g and g + 8 at byte 16 t of the tile and the same k's of each of its MT token rows (x_row[mt]
+// already points at the lane's offset lane_k; 16 bytes, or 32 for fp16 x against int8 weights, GlobalX32);
+// gemv_mma calls mma(acc[mt], a0, a1, a2, a3, x words) for the two k-halves of them (a0/a2 = words 0-1 of row g,
+// then 2-3).
 // The weights do not go to registers in that shape: a warp load of it covers half of 8 lines (8 rows x 64
 // bytes), and such GEMVs ran at 80-87% of the copy bandwidth where whole lines per instruction ran at 93-97%
 // (H200, step 18 of docs/gpu.md). Each step is copied by cp.async as whole lines (quarter-warp q copies the
@@ -272,17 +273,47 @@ struct NoHook {
 struct GlobalX {
     static constexpr bool LOAD_FIRST = false;
     using Raw = uint4;
+    using Value = uint4;
     __device__ __forceinline__ uint4 load(const void* p, bool ok) const { return ld_cached(p, ok); }
     __device__ __forceinline__ uint4 finish(uint4 r) const { return r; }
 };
 struct SharedX {
     static constexpr bool LOAD_FIRST = false;
     using Raw = uint4;
+    using Value = uint4;
     __device__ __forceinline__ uint4 load(const void* p, bool ok) const {
         return ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
     }
     __device__ __forceinline__ uint4 finish(uint4 r) const { return r; }
 };
+// fp16 activations against int8 weights (fp16_gemv.cu's w8a16 entries): a tile's 16 weight bytes of a lane are 16 k's,
+// so its activations are 32 bytes, two halves of which go to each of the main loop's two mma steps (gemv_mma).
+struct X32 {
+    uint4 lo, hi;  // k's 0-7 / 8-15 of the lane's chunk
+};
+struct GlobalX32 {
+    static constexpr bool LOAD_FIRST = false;
+    using Raw = X32;
+    using Value = X32;
+    __device__ __forceinline__ X32 load(const void* p, bool ok) const {
+        return {ld_cached(p, ok), ld_cached(static_cast<const uint8_t*>(p) + 16, ok)};
+    }
+    __device__ __forceinline__ X32 finish(X32 r) const { return r; }
+};
+
+// Step s (0, 1) of a tile: the mma of the lane's weight words 2 s, 2 s + 1 (a0-a3) with its activations. 16 bytes of
+// x (fp16 or int8 weights of the same width as x): words 2 s, 2 s + 1 as b0, b1; 32 bytes (int8 weights, fp16 x):
+// the 16 bytes of the same 8 k's.
+template <typename Mma, typename Acc>
+__device__ __forceinline__ void gemv_mma(Mma& mma, Acc& acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         const uint4& x, int s) {
+    mma(acc, a0, a1, a2, a3, word(x, 2 * s), word(x, 2 * s + 1));
+}
+template <typename Mma, typename Acc>
+__device__ __forceinline__ void gemv_mma(Mma& mma, Acc& acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         const X32& x, int s) {
+    mma(acc, a0, a1, a2, a3, s ? x.hi : x.lo);
+}
 
 // Bytes of the ring (dynamic shared memory) for a block of WARPS warps.
 template <int WARPS, int UNROLL>
@@ -290,10 +321,10 @@ __host__ __device__ constexpr int gemv_ring_bytes() {
     return WARPS * GEMV_STAGES * GEMV_ROWS_PER_BLOCK * UNROLL * 64;
 }
 
-template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename Acc, typename Mma,
+template <int WARPS, int UNROLL, int TILE_K, int MT, typename T, typename X, typename Acc, typename Mma,
           typename AfterWait = NoHook, typename XLoad = GlobalX>
 __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int hi_row, int n_rows, uint8_t* ring,
-                                              const T* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
+                                              const X* const (&x_row)[MT], const bool (&x_ok)[MT], int K,
                                               int lane_k, int warp, int M, Acc (&acc)[MT][4], Mma mma,
                                               AfterWait after_wait = {}, XLoad x_load = {}) {
     static_assert(TILE_K * sizeof(T) == 64 && UNROLL % 2 == 0, "a pair of tiles is one 128-byte line");
@@ -337,7 +368,7 @@ __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int h
         return *reinterpret_cast<const uint4*>(st + row_off + 128 * (u >> 1) + 16 * c);
     };
     using XRaw = typename XLoad::Raw;
-    uint4 xv[UNROLL][MT];
+    typename XLoad::Value xv[UNROLL][MT];
     auto load_x = [&](int base, XRaw (&xs)[UNROLL][MT]) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -382,8 +413,8 @@ __device__ __forceinline__ void gemv_mainloop(const T* weight, int lo_row, int h
             for (int s = 0; s < 2; ++s)
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                    mma(acc[mt], word(wl, 2 * s), word(wh, 2 * s), word(wl, 2 * s + 1), word(wh, 2 * s + 1),
-                        word(xv[u][mt], 2 * s), word(xv[u][mt], 2 * s + 1));
+                    gemv_mma(mma, acc[mt], word(wl, 2 * s), word(wh, 2 * s), word(wl, 2 * s + 1), word(wh, 2 * s + 1),
+                             xv[u][mt], s);
         }
         __syncwarp();  // every lane has read the stage before the next issue refills it
         finish_x(nx);

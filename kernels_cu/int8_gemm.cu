@@ -171,6 +171,7 @@ struct XqRowHook {
 struct RowQuantX {
     static constexpr bool LOAD_FIRST = true;  // the first tile's x in flight with the hook's reads
     using Raw = uint32_t;                     // the lane's two fp16 values
+    using Value = uint4;
     const int8_t* base;    // x_row's origin: p - base is the element index of the lane's 16-value chunk
     const __half* x;       // the row
     const float* inv;

@@ -25,7 +25,7 @@ from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
 from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear, awq_packed_dequantize,
                                  pack_for_gemv)
-from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu
+from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu, w8a16_linear
 from kernels_cu.int8_gemm import int8_gemm
 
 SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
@@ -152,6 +152,20 @@ def bench_fp16(m: int, k: int, n: int, bw: float) -> Row:
     t_us = time_graph(lambda i: torch.matmul(x, w[i].t()), nc)
     nbytes = 2 * (n * k + m * k + m * n)
     return Row.of("fp16", f"{k}x{n}", m, us, nbytes, bw, t_us, "cuBLAS fp16")
+
+
+def bench_w8a16(m: int, k: int, n: int, bw: float) -> Row:
+    """The int8 lm_head (fp16_gemv.cu's w8a16 entries: codes and a scale per channel), beside cuBLAS on the fp16
+    weight of the same shape."""
+    nc = copies_for(n * k)
+    q = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8) for _ in range(nc)]
+    s = [torch.rand(n, device="cuda") * 1e-3 + 1e-4 for _ in range(nc)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    us = time_graph(lambda i: w8a16_linear(x, q[i], s[i]), nc)
+    w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies_for(2 * n * k))]
+    t_us = time_graph(lambda i: torch.matmul(x, w16[i].t()), len(w16))
+    nbytes = n * k + 4 * n + 2 * (m * k + m * n)
+    return Row.of("w8a16", f"{k}x{n}", m, us, nbytes, bw, t_us, "cuBLAS fp16")
 
 
 def bench_awq(m: int, k: int, n: int, bw: float, group: int = 128, splits: int | None = None) -> Row:
@@ -286,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,8,16,32", help="token counts for the GEMV rows")
     ap.add_argument("--only", default="fp16,int8,awq,attn,dequant",
-                    help="which groups to run (+ prefill; l2: decode GEMVs with the weight cold and L2-resident)")
+                    help="which groups to run (+ prefill; l2: decode GEMVs with the weight cold and L2-resident; "
+                         "head: the lm_head, fp16 and int8 weights)")
     ap.add_argument("--prefill-ms", default="2048", help="token counts for the prefill GEMM rows")
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
     ap.add_argument("--batch-splits", default="", help="also sweep the AWQ batch GEMM's K splits, e.g. 1,2,4")
@@ -315,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(bench_awq_gemv(m, k, n, bw, batch=True, splits=int(s)))
                 for s in filter(None, args.awq_splits.split(",")):
                     rows.append(bench_awq(m, k, n, bw, splits=int(s)))
+    if "head" in only:  # LLaMA-2-7B's lm_head: 32,000 x 4,096
+        rows += [r for m in ms for r in (bench_fp16(m, 4096, 32000, bw), bench_w8a16(m, 4096, 32000, bw))]
     if "dequant" in only:
         rows += [bench_awq_dequant(k, n, bw) for _, k, n in SHAPES_7B]
         rows += [bench_awq_packed_dequant(k, n, bw) for _, k, n in SHAPES_7B]

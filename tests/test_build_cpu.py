@@ -52,6 +52,8 @@ ENTRY_POINTS = {
     "embedding.cu": [f"embedding{v}_{t}" for v in ("", "_fold", "_fold8") for t in ("i32", "i64")],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
     "sampling.cu": ["sample_f16", "sample_f32"],
+    "fp16_gemv.cu": [f"fp16_gemv_mt{m}{e}" for m in (1, 2) for e in ("", "_res", "_silu")]
+                    + ["w8a16_gemv_mt1", "w8a16_gemv_mt2"],
 }
 
 

@@ -16,7 +16,7 @@ def main() -> None:
     from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding, embedding_fold
     from kernels_cu.norm_fold import FoldOut
-    from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu
+    from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu, w8a16_linear
     from kernels_cu import awq_wgmma, awq_wgmma_decode
     from kernels_cu.int8_gemm import (DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred, int8_gemm_norm,
                                       int8_swiglu_norm)
@@ -54,6 +54,7 @@ def main() -> None:
                 fp16_linear(xm, wd, residual=r(M, F))
                 fp16_swiglu(xm, r(2 * F, H))
                 qw, ws = quantize_weight_int8(wd.float())
+                w8a16_linear(xm, qw, ws)
                 qx, sx = quantize(xm)
                 int8_gemm(qx, sx, qw, ws, residual=r(M, F))
                 aq, az, asc = quantize_awq(wd.float(), 64)
@@ -66,6 +67,7 @@ def main() -> None:
                     _, fe = embedding_fold(r(V, H), torch.randint(0, V, (M,), device=dev), r(H))
                     embedding_fold(r(V, H), torch.randint(0, V, (M,), device=dev), r(H), int8=True)
                     fp16_linear(fe.xg, wd, fold_in=fe.consumer(1e-5))
+                    w8a16_linear(fe.xg, qw, ws, fold_in=fe.consumer(1e-5))
                     fp16_swiglu(fe.xg, r(2 * F, H), fold_in=fe.consumer(1e-5))
                     awq_linear(fe.xg, ap, fold_in=fe.consumer(1e-5))
                     awq_linear(fe.xg, pack_for_gemv(aq, az, asc, swiglu=True), fold_in=fe.consumer(1e-5))

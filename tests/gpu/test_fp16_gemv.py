@@ -1,4 +1,4 @@
-"""fp16_gemv / fp16_linear against a float64 product rounded to fp16."""
+"""fp16_gemv / fp16_linear, and w8a16_linear (int8 weights), against a float64 product rounded to fp16."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, check_swigl
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu.fp16_gemv import fp16_gemv, fp16_linear, fp16_linear_ref, fp16_swiglu, fp16_swiglu_ref  # noqa: E402
+from kernels_cu.fp16_gemv import (fp16_gemv, fp16_linear, fp16_linear_ref, fp16_swiglu, fp16_swiglu_ref,  # noqa: E402
+                                  w8a16_linear, w8a16_linear_ref)
 from kernels_cu.swiglu_layout import interleave_gate_up, swiglu_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -102,3 +103,63 @@ def test_swiglu_beyond_16_rows_is_cublas_then_silu_mul_interleaved(M):
     assert fp16_swiglu(x, w, out=y) is y
     assert_equal(y, want, f"out= M={M}")
     check_swiglu(y, fp16_linear(x, gate), fp16_linear(x, up), fp16_swiglu_ref(x, w), f"vs reference M={M}")
+
+
+def int8_head(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """calibrate.int8's per-channel codes and scales of a random fp16 weight, rows of different ranges."""
+    from calibrate.int8 import quantize_weight_int8
+
+    w = randn(N, K, scale=0.05, seed=seed) * torch.linspace(0.2, 3.0, N, device="cuda", dtype=torch.float16)[:, None]
+    return quantize_weight_int8(w)
+
+
+@pytest.mark.parametrize("K,N", [(576, 49152), (4096, 32000), (8192, 1024), (64, 40)])
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 32, 33, 64])
+def test_w8a16_gemv(M, K, N):
+    """int8 codes with a scale per channel and fp16 activations, up to 64 rows on the GEMV: the float64 sums
+    times the scale, rounded once; the same bits run to run."""
+    q, s = int8_head(N, K, seed=K + N)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.abs().max() == 127
+    x = randn(M, K, seed=M)
+    y = torch.empty(M, N, dtype=torch.float16, device="cuda")
+    poison(y)
+    assert w8a16_linear(x, q, s, out=y) is y
+    check(y, w8a16_linear_ref(x, q, s), f"M={M} K={K} N={N}")
+    assert_equal(w8a16_linear(x, q, s), y, f"M={M} K={K} N={N}: run to run")
+
+
+def check_cublas(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """cuBLAS's fp16 GEMM on the dequantized weight, as the fp16 head's prefill: its split-K partial sums are fp16
+    (torch's reduced-precision reduction, the default), so a small output next to large partials can be off by a
+    few fp16 ulps of the partials (H100: 0.031 on an output of rms 5.7, 2 of 165,000): the elements at 1% of the
+    rms, the whole at 1e-3."""
+    assert bool(torch.isfinite(y).all()), what
+    rms = float(ref.float().pow(2).mean().sqrt())
+    compare(y, ref, rtol=2e-3, atol=1e-2 * rms, what=what)
+    rel = float((y.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 1e-3, f"{what}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("M", [65, 300])
+def test_w8a16_above_64_rows_is_cublas_on_dequantized_chunks(M, monkeypatch):
+    """Beyond the GEMV's rows each chunk of channels is dequantized to fp16 (one rounding of code * scale) for
+    cuBLAS, with any chunk size."""
+    import kernels_cu.fp16_gemv as mod
+
+    q, s = int8_head(5000, 4096, seed=3)
+    x = randn(M, 4096, seed=M)
+    ref = w8a16_linear_ref(x, q, s)
+    check_cublas(w8a16_linear(x, q, s), ref, f"M={M}")
+    monkeypatch.setattr(mod, "W8A16_CHUNK_ROWS", 1024)
+    check_cublas(w8a16_linear(x, q, s), ref, f"M={M}: chunks of 1,024")
+
+
+def test_w8a16_checks_its_inputs():
+    q, s = int8_head(64, 256, seed=1)
+    x = randn(1, 256, seed=1)
+    with pytest.raises(ValueError, match="int8"):
+        w8a16_linear(x, q.half(), s)
+    with pytest.raises(ValueError, match="K"):
+        w8a16_linear(randn(1, 200, seed=1), int8_head(64, 200, seed=1)[0], s)
+    with pytest.raises(ValueError, match="qweight"):
+        w8a16_linear(x, q[:, :128], s)

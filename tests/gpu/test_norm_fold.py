@@ -14,7 +14,8 @@ if not GPU_STACK:
 
 from kernels_cu.awq_gemv import awq_linear, awq_linear_ref, folds, pack_for_gemv  # noqa: E402
 from kernels_cu.embedding import embedding, embedding_fold  # noqa: E402
-from kernels_cu.fp16_gemv import fp16_linear, fp16_linear_ref, fp16_swiglu, fp16_swiglu_ref  # noqa: E402
+from kernels_cu.fp16_gemv import (fp16_linear, fp16_linear_ref, fp16_swiglu, fp16_swiglu_ref,  # noqa: E402
+                                  w8a16_linear, w8a16_linear_ref)
 from kernels_cu.norm_fold import FoldOut, fold_out_ref, rstd_ref  # noqa: E402
 from kernels_cu.rmsnorm import rmsnorm_ref  # noqa: E402
 from kernels_cu.swiglu_layout import interleave_gate_up  # noqa: E402
@@ -88,6 +89,18 @@ def test_fp16_consumer(M, K, N):
     W = randn(N, K, scale=0.05, seed=K + N)
     check_consumer(lambda out: fp16_linear(fold.xg, W, out=out, fold_in=fold.consumer(EPS)),
                    fp16_linear_ref(x64, W), f"M={M} K={K} N={N}")
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("K,N", [(576, 49152), (4096, 32000)])
+def test_w8a16_consumer(M, K, N):
+    """The int8 lm_head takes the final norm deferred, as the fp16 one does."""
+    from calibrate.int8 import quantize_weight_int8
+
+    _, fold, x64 = folded(M, K, seed=M + K)
+    q, s = quantize_weight_int8(randn(N, K, scale=0.05, seed=K + N))
+    check_consumer(lambda out: w8a16_linear(fold.xg, q, s, out=out, fold_in=fold.consumer(EPS)),
+                   w8a16_linear_ref(x64, q, s), f"M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("M", ROWS)
