@@ -46,6 +46,7 @@ def bench_cmd(
     fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Small-batch decode (fp16 up to 8 rows, awq up to 4, int8 up to 16): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
     fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
     kv_int8: Annotated[bool, typer.Option("--kv-int8", help="The engine's int8 KV cache (as generate / chat --kv-int8): half the cache bytes each decode step reads; the floor counts them. The baseline keeps fp16.")] = False,
+    lm_head_int8: Annotated[bool, typer.Option("--lm-head-int8", help="The int8 and awq engines' lm_head as int8 codes with a scale per vocabulary row (as generate / chat / eval --lm-head-int8): half its bytes each decode step; the floor counts them. fp16 (the unquantized model) and the baseline keep the fp16 head.")] = False,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     json_out: JsonOpt = False,
@@ -93,7 +94,8 @@ def bench_cmd(
                 raise ConfigError(f"{loaded.source} is a {weights.meta.get('scheme')} checkpoint; give --scheme "
                                   f"{weights.meta.get('scheme')} or use --random for other schemes")
         engine = Engine(weights, EngineConfig(max_len=prompt_len + gen_len + 1, fold_norms=fold_norms,
-                                                 fuse_rope=fuse_rope, kv_int8=kv_int8))
+                                                 fuse_rope=fuse_rope, kv_int8=kv_int8,
+                                                 lm_head_int8=lm_head_int8 and s != "fp16"))
         for b in cfg.batches:
             err.print(f"[dim]engine {s} batch {b} ...[/]")
             rows.append({"scheme": s, **bench_engine(engine, b, cfg, bw)})
@@ -118,7 +120,7 @@ def bench_cmd(
             "model": source or "llama2-7b", "random": random, "copy_bandwidth_tb_s": bw / 1e12,
             "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows,
             "programmatic_launch": pdl_supported(), "fold_norms": fold_norms,
-            "fuse_rope": fuse_rope, "kv_int8": kv_int8}
+            "fuse_rope": fuse_rope, "kv_int8": kv_int8, "lm_head_int8": lm_head_int8}
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:
@@ -148,10 +150,16 @@ def _cells(r: dict) -> list[str]:
     return out
 
 
+def _options(meta: dict) -> str:
+    """The header's note of the engine options that change what a step reads."""
+    return (" · KV cache int8" if meta.get("kv_int8") else "") + (
+        " · lm_head int8 (int8, awq)" if meta.get("lm_head_int8") else "")
+
+
 def _table(rows: list[dict], meta: dict) -> Table:
     t = Table(title=f"fllama bench · {meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · "
                     f"copy {meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} gen {meta['gen_len']} · "
-                    f"PDL {'on' if meta['programmatic_launch'] else 'off'}{' · KV int8' if meta['kv_int8'] else ''}")
+                    f"PDL {'on' if meta['programmatic_launch'] else 'off'}{_options(meta)}")
     for _, title, _ in COLUMNS:
         t.add_column(title, justify="right")
     for r in rows:
@@ -168,6 +176,6 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     return (f"{meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · copy bandwidth "
             f"{meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} · gen {meta['gen_len']} · "
             f"repeat {meta['repeat']} · programmatic launch {'on' if meta['programmatic_launch'] else 'off'}"
-            f"{' · KV cache int8' if meta['kv_int8'] else ''}\n\n" + head + body +
+            f"{_options(meta)}\n\n" + head + body +
             ("\nBaseline (torch.compile, mode=reduce-overhead, fp16):\n\n| batch | prefill tok/s | decode tok/s | "
              "ms/step | compile s |\n|---|---|---|---|---|\n" + base if base else ""))

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from fllama_cli.options import KvInt8Opt, DeviceChoice, DeviceOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, ModelArg, RandomOpt, SeedOpt
 from fllama_cli.runtime import open_model
 from model_zoo.chat import ChatSession
 from model_zoo.generation import GenerationConfig
@@ -29,13 +29,14 @@ def chat_cmd(
     seed: SeedOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    lm_head_int8: LmHeadInt8Opt = False,
     random: RandomOpt = False,
 ) -> None:
     """Chat with a model; the KV cache is kept between turns, so each turn only prefills what is new."""
     cfg = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                                                    repetition_penalty=repetition_penalty, seed=seed))
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8)
+    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
     session = ChatSession(opened.backend, opened.tokenizer, cfg, system=system, max_len=context)
     out = Console(highlight=False, soft_wrap=True)
     interactive = sys.stdin.isatty()

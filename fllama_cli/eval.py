@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fllama_cli.options import KvInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
+from fllama_cli.options import KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
 from fllama_cli.runtime import open_model
 from model_zoo.errors import ConfigError
 from model_zoo.evaluation import EvalConfig, evaluate
@@ -26,6 +26,7 @@ def eval_cmd(
     batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass.")] = 1,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    lm_head_int8: LmHeadInt8Opt = False,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     quiet: QuietOpt = False,
@@ -33,7 +34,7 @@ def eval_cmd(
 ) -> None:
     """Perplexity over non-overlapping windows of --seq-len tokens, each scoring its tokens 2..L."""
     cfg = EvalConfig(seq_len=seq_len, max_tokens=max_tokens, batch=batch)
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8)
+    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
     ids = opened.tokenizer.encode(load_text(data))  # the tokenizer's default special tokens
     windows = token_windows(ids, seq_len, max_tokens)  # [n, L]
     base = open_model(baseline, device=device, random=random, seed=seed) if baseline else None

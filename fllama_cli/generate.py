@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from fllama_cli.options import KvInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
 from fllama_cli.runtime import open_model, read_prompt_arg
 from model_zoo.errors import PromptError
 from model_zoo.generation import GenerationConfig, generate
@@ -28,6 +28,7 @@ def generate_cmd(
     seed: SeedOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    lm_head_int8: LmHeadInt8Opt = False,
     random: RandomOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -38,7 +39,7 @@ def generate_cmd(
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()),
                            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                                                    repetition_penalty=repetition_penalty, seed=seed))
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8)
+    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
     tok = opened.tokenizer
     ids = [tok.encode(p) for p in prompts]
     stream = not json_out and len(prompts) == 1

@@ -27,3 +27,4 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
 WindowBatchOpt = Annotated[int, typer.Option("--batch", help="Windows per forward pass.")]
 KvInt8Opt = Annotated[bool, typer.Option("--kv-int8", help="GPU engine: int8 KV cache (a scale per row, head and position).")]
+LmHeadInt8Opt = Annotated[bool, typer.Option("--lm-head-int8", help="The lm_head as int8 codes with a scale per vocabulary row, made at load from the fp16 head (the checkpoint is unchanged): half the bytes of the largest read of a decode step. On the CPU reference the head is rounded the same way, so `fllama eval` measures what it costs.")]

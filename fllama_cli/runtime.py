@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ class Opened:
     loaded: Any  # model_zoo.load.LoadedModel
     backend: Any  # model_zoo.backend.Backend
     device: str  # "cpu" | "cuda"
+    lm_head_int8: bool = False
 
     @property
     def tokenizer(self):
@@ -28,7 +29,8 @@ class Opened:
 
     def describe(self) -> str:
         dtype = "fp32 compute" if self.device == "cpu" else "fp16 compute"
-        return f"{self.backend.name} on {self.device}, {self.backend.scheme} weights, {dtype}"
+        head = ", lm_head int8" if self.lm_head_int8 else ""
+        return f"{self.backend.name} on {self.device}, {self.backend.scheme} weights{head}, {dtype}"
 
 
 def gpu_usable() -> tuple[bool, str]:
@@ -78,7 +80,7 @@ def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu"):
 
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
                seed: int | None = None, dtype: torch.dtype | None = None,
-               kv_int8: bool = False) -> Opened:
+               kv_int8: bool = False, lm_head_int8: bool = False) -> Opened:
     from model_zoo.load import load_model
 
     dev = pick_device(device)
@@ -88,12 +90,22 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
     if dev == "cuda":
         from kernels_cu.engine import Engine, EngineConfig
 
-        backend = Engine.from_loaded(loaded, EngineConfig(kv_int8=kv_int8))
+        backend = Engine.from_loaded(loaded, EngineConfig(kv_int8=kv_int8, lm_head_int8=lm_head_int8))
     else:
         from model_zoo.reference import ReferenceModel
 
-        backend = ReferenceModel(build_weights(loaded, dtype or torch.float32, "cpu"))
-    return Opened(loaded, backend, dev)
+        weights = build_weights(loaded, dtype or torch.float32, "cpu")
+        if lm_head_int8:  # the engine's int8 head, as values: the reference's logits carry its rounding
+            weights = replace(weights, lm_head=int8_round_trip(weights.lm_head))
+        backend = ReferenceModel(weights)
+    return Opened(loaded, backend, dev, lm_head_int8)
+
+
+def int8_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] through the int8 lm_head's codes and scales (calibrate.int8, one scale per row) and back."""
+    from calibrate.int8 import dequantize_weight_int8, quantize_weight_int8
+
+    return dequantize_weight_int8(*quantize_weight_int8(w), dtype=w.dtype)
 
 
 def read_prompt_arg(prompts: list[str] | None) -> list[str]:

@@ -93,12 +93,8 @@ def random_weights(config: LlamaConfig, scheme: str, device: torch.device, seed:
 
 def decode_bytes(engine, batch: int, context: int) -> tuple[int, int]:
     """(weight bytes, KV bytes) one decode step reads at an average context of `context` positions."""
-    c = engine.config
     kv = batch * context * engine.kv_position_bytes()  # int8 codes and scales with kv_int8
-    weights = engine.weight_bytes() - engine.embed.numel() * 2 + c.hidden_size * 2 * batch  # embed: B rows read
-    if engine.lm_head is engine.embed:
-        weights += engine.embed.numel() * 2  # tied: the table is read whole by lm_head
-    return weights, kv
+    return engine.step_weight_bytes(batch), kv  # the lm_head as it runs (fp16 or int8), B embedding rows
 
 
 def _events_time(fn, repeat: int) -> list[float]:

@@ -3,7 +3,8 @@
 Per layer (ARCHITECTURE.md, "Engine"): RMSNorm (+ int8 quantization) -> fused QKV GEMM -> RoPE + KV-cache
 write -> attention (prefill: SDPA per row; decode: split over the sequence) -> o_proj GEMM with the residual
 added in its epilogue -> RMSNorm (+ quant) -> fused gate|up GEMM -> SiLU(gate) * up (+ quant) -> down GEMM
-with the residual. Around the layers: embedding lookup, final norm, lm_head in fp16.
+with the residual. Around the layers: embedding lookup, final norm, lm_head in fp16 (or int8 codes with a scale
+per vocabulary row, EngineConfig.lm_head_int8: half the bytes of the largest single read of a decode step).
 
 Decode steps of a batch-size bucket are captured once as a CUDA graph and replayed: token ids, positions
 and lengths live in device buffers, so one graph serves every step. Prefill runs eagerly. The engine is a
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from calibrate.int8 import quantize_weight_int8
 from kernels_cu import build, norm_fold
 from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_rope,
                                          attention_decode_rope_parts, attention_decode_rope_quant)
@@ -29,7 +31,7 @@ from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.awq_gemv import GEMV_MAX_M as AWQ_GEMV_MAX_M, awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.awq_gemv import folds as awq_folds
 from kernels_cu.embedding import embedding, embedding_fold
-from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
+from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu, w8a16_linear
 from kernels_cu.int8_gemm import (XQ_MAX_ROWS, DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred,
                                   int8_gemm_norm, int8_swiglu, int8_swiglu_norm, norm_in_loop)
 from kernels_cu.norm_fold import FoldIn, FoldOut
@@ -89,6 +91,7 @@ QUANT_FOLD_EARLY_ROWS = 8
 PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPHS = 2
 PREFILL_SEEN_MAX = 256  # shapes remembered as seen once; the set restarts when full
+LM_HEAD_QUANT_ROWS = 4096  # vocabulary rows quantized at a time (EngineConfig.lm_head_int8)
 
 
 def _early_fold(rows: int) -> bool:
@@ -314,6 +317,11 @@ class EngineConfig:
     # int8 decode of up to XQ_MAX_ROWS (1) rows with dynamic activations: the SwiGLU in the gate|up GEMV's epilogue,
     # and o_proj / down_proj quantizing their inputs themselves (int8_gemm.DeferredQuant; the same bits)
     defer_int8_quant: bool = True
+    # the lm_head as int8 codes with an fp32 scale per vocabulary row (calibrate.int8, computed at load from the fp16
+    # head), fp16 activations (fp16_gemv.cu's w8a16 entries): what a decode step reads of it halves (LLaMA-2-7B:
+    # 262 -> 131 MB a step). What it costs (SmolLM2-135M, 8,176 tokens of `fllama eval --lm-head-int8 --baseline`):
+    # KL 8.4e-4 nats a token, perplexity +0.08%, top-1 agreement 97.8%
+    lm_head_int8: bool = False
 
 
 class Engine:
@@ -331,6 +339,11 @@ class Engine:
         with build.on_stream():
             self.embed = weights.embed.to(dev, torch.float16).contiguous()  # [V, H]
             self.lm_head = self.embed if self.config.tie_embeddings else weights.lm_head.to(dev, torch.float16).contiguous()
+            self.lm_head_q: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes int8 [V, H], scales fp32 [V])
+            if cfg.lm_head_int8:
+                self._lm_head_int8()
+                if self.lm_head is not self.embed:
+                    self.lm_head = None  # the fp16 head is not kept (a tied one is the embedding table)
             self.norm = weights.norm.to(dev, torch.float16).contiguous()
             self.layers = [self._gpu_layer(l, dev) for l in weights.layers]
             self.max_len = min(cfg.max_len, self.config.max_positions)
@@ -367,13 +380,48 @@ class Engine:
         return self._device
 
     def weight_bytes(self) -> int:
-        n = self.embed.numel() * 2 + self.norm.numel() * 2
-        if self.lm_head is not self.embed:
+        """Bytes of the weights held on the GPU."""
+        n = self.embed.numel() * 2 + self._body_bytes()
+        if self.lm_head is not None and self.lm_head is not self.embed:
             n += self.lm_head.numel() * 2
+        if self.lm_head_q is not None:
+            n += sum(t.numel() * t.element_size() for t in self.lm_head_q)
+        return n
+
+    def step_weight_bytes(self, batch: int) -> int:
+        """Bytes of weights one decode step of `batch` rows reads: the layers, the final norm, the lm_head as it runs
+        (fp16, or its int8 codes and scales) and the embedding rows looked up."""
+        if self.cfg.lm_head_int8:
+            head = sum(t.numel() * t.element_size() for t in self._lm_head_int8())
+        else:
+            head = self._lm_head_fp16().numel() * 2
+        return self._body_bytes() + head + self.config.hidden_size * 2 * batch
+
+    def _body_bytes(self) -> int:
+        n = self.norm.numel() * 2
         for l in self.layers:
             n += (l.attn_norm.numel() + l.ffn_norm.numel()) * 2
             n += sum(op.nbytes() for op in (l.qkv, l.o, l.gate_up, l.down))
         return n
+
+    def _lm_head_fp16(self) -> torch.Tensor:
+        if self.lm_head is None:
+            raise DeviceError("this engine holds the lm_head as int8 only (it was built with lm_head_int8)")
+        return self.lm_head
+
+    def _lm_head_int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int8 [V, H], scales fp32 [V]) of the fp16 lm_head, made on first use (an A/B that switches
+        lm_head_int8 on keeps the fp16 head beside them)."""
+        if self.lm_head_q is None:
+            w = self._lm_head_fp16()  # [V, H]
+            with build.on_stream():
+                q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+                s = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+                for v0 in range(0, w.shape[0], LM_HEAD_QUANT_ROWS):  # fp32 temporaries of a chunk, not of the head
+                    q[v0:v0 + LM_HEAD_QUANT_ROWS], s[v0:v0 + LM_HEAD_QUANT_ROWS] = quantize_weight_int8(
+                        w[v0:v0 + LM_HEAD_QUANT_ROWS])
+            self.lm_head_q = (q, s)
+        return self.lm_head_q
 
     def kv_position_bytes(self) -> int:
         """Bytes of one position of one row's K and V over all layers and KV heads."""
@@ -522,9 +570,12 @@ class Engine:
 
     def _logits(self, h: torch.Tensor, fold: FoldOut | None = None) -> torch.Tensor:
         if fold is not None:  # the final norm deferred into the lm_head GEMV
-            return fp16_linear(fold.xg, self.lm_head, fold_in=fold.consumer(self.config.norm_eps))  # [T, V]
-        x = rmsnorm(h, self.norm, self.config.norm_eps)  # [T, H]
-        return fp16_linear(x, self.lm_head)  # [T, V] fp16
+            x, fold_in = fold.xg, fold.consumer(self.config.norm_eps)
+        else:
+            x, fold_in = rmsnorm(h, self.norm, self.config.norm_eps), None  # [T, H]
+        if self.cfg.lm_head_int8:
+            return w8a16_linear(x, *self._lm_head_int8(), fold_in=fold_in)  # [T, V] fp16
+        return fp16_linear(x, self._lm_head_fp16(), fold_in=fold_in)  # [T, V] fp16
 
     # -- forward -----------------------------------------------------------------------------------------
     @_api

@@ -16,7 +16,7 @@ def fake_engine(kv_int8: bool) -> SimpleNamespace:
     c = LlamaConfig.from_name("llama2-7b")
     e = SimpleNamespace(config=c, cfg=EngineConfig(kv_int8=kv_int8), embed=torch.empty(0), lm_head=None)
     e.kv_position_bytes = lambda: Engine.kv_position_bytes(e)
-    e.weight_bytes = lambda: 1000
+    e.step_weight_bytes = lambda batch: 1000 + 4096 * 2 * batch
     return e
 
 
@@ -27,7 +27,7 @@ def test_decode_bytes_count_the_kv_cache_as_stored():
     w8, kv8 = decode_bytes(fake_engine(True), batch=2, context=576)
     assert kv16 == 2 * 32 * 2 * 576 * 32 * 128 * 2
     assert kv8 == 2 * 32 * 2 * 576 * 32 * (128 + 4)
-    assert w16 == w8 == 1000 + 4096 * 2 * 2  # the two embedding rows looked up
+    assert w16 == w8 == 1000 + 4096 * 2 * 2  # the engine's count for two rows
     e = fake_engine(True)
     assert Engine.kv_bytes(e, 3, 99) == 3 * 100 * e.kv_position_bytes()  # the cache: max_len + 1 positions
 
@@ -39,3 +39,12 @@ def test_markdown_header_says_when_the_kv_cache_is_int8():
     row = {"scheme": "int8", "batch": 1, "decode_tok_s": 400.0}
     assert "KV cache int8" in _markdown([row], meta)
     assert "KV cache int8" not in _markdown([row], {**meta, "kv_int8": False})
+
+
+def test_markdown_header_says_when_the_lm_head_is_int8():
+    meta = {"model": "llama2-7b", "gpu": "GPU", "driver": "1", "date": "2026-11-22", "copy_bandwidth_tb_s": 3.0,
+            "prompt_len": 512, "gen_len": 128, "repeat": 3, "programmatic_launch": True, "baseline": {},
+            "kv_int8": False, "lm_head_int8": True}
+    row = {"scheme": "awq", "batch": 1, "decode_tok_s": 600.0}
+    assert "lm_head int8" in _markdown([row], meta)
+    assert "lm_head int8" not in _markdown([row], {**meta, "lm_head_int8": False})

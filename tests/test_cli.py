@@ -100,6 +100,18 @@ def test_eval_json_keys(capsys, monkeypatch, model_dir, text_file):
     assert r["kl_divergence"] == pytest.approx(0, abs=1e-6) and r["top1_agreement"] == 1.0
 
 
+def test_eval_with_the_int8_lm_head_on_the_cpu_reference(capsys, monkeypatch, model_dir, text_file):
+    """--lm-head-int8 rounds the CPU reference's head as the engine stores it: the logits move a little (KL above
+    zero, far below the int8 linears' own) and the greedy choice almost never."""
+    code, out, err = fllama(capsys, monkeypatch, "eval", model_dir, "--data", text_file, "--seq-len", "64",
+                            "--max-tokens", "512", "--device", "cpu", "--json", "--baseline", model_dir,
+                            "--lm-head-int8")
+    r = json.loads(out)
+    assert code == 0, err
+    assert 0 < r["kl_divergence"] < 1e-3 and r["top1_agreement"] > 0.97
+    assert r["perplexity"] == pytest.approx(r["baseline_perplexity"], rel=1e-2)
+
+
 def test_calibrate_then_quantize_every_scheme(capsys, monkeypatch, model_dir, text_file, tmp_path):
     stats = tmp_path / "stats.safetensors"
     code, out, err = fllama(capsys, monkeypatch, "calibrate", model_dir, "--data", text_file, "--samples", "4",

@@ -244,6 +244,57 @@ def test_int8_kv_cache_option(scheme):
     assert eng.kv_bytes(1, 100) < Engine(w, EngineConfig(max_len=256)).kv_bytes(1, 100)
 
 
+@pytest.mark.parametrize("name,scheme", [("smol-like", "fp16"), ("gqa4-d64", "int8-dynamic"), ("mha-d128", "awq"),
+                                         ("smol-like", "awq")])
+def test_int8_lm_head_option(name, scheme):
+    """EngineConfig.lm_head_int8: prefill (cuBLAS on dequantized chunks) and decode (the w8a16 GEMV, the final norm
+    deferred into it where the scheme folds) against the reference with the same int8-rounded head
+    (fllama_cli.runtime.int8_round_trip, what `--lm-head-int8` gives the CPU reference); greedy tokens equal; the
+    bytes a step reads count the codes and scales; an untied fp16 head is not kept."""
+    from fllama_cli.runtime import int8_round_trip
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS[name]
+    w = checkpoint(config, scheme)
+    eng, plain = Engine(w, EngineConfig(max_len=256, lm_head_int8=True)), Engine(w, EngineConfig(max_len=256))
+    rw = w.to("cpu", torch.float32)
+    ref = ReferenceModel(dataclasses.replace(rw, lm_head=int8_round_trip(rw.lm_head)))
+    tokens = torch.randint(0, config.vocab_size, (3, 30), generator=torch.Generator().manual_seed(8))
+    want = ref.forward(tokens)  # [3, 30, V]
+    assert rel(eng.forward(tokens), want) < 2e-2, "prefill"
+    steps, _ = decode_steps(eng, tokens, 22)
+    assert rel(steps.transpose(0, 1), want[:, 22:]) < 2e-2, "decode"
+    base, _ = decode_steps(plain, tokens, 22)
+    assert 0 < rel(steps, base) < 2e-2  # the head's rounding shows, and only it
+    V, H = config.vocab_size, config.hidden_size
+    assert eng.step_weight_bytes(2) == plain.step_weight_bytes(2) - V * H * 2 + V * H + V * 4
+    assert (eng.lm_head is None) != config.tie_embeddings
+    tok = Tokenizer.byte_fallback(config.vocab_size)
+    cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    prompt = [tok.encode("an int8 head")]
+    assert generate(eng, tok, prompt, cfg)[0][0].tokens == generate(ref, tok, prompt, cfg)[0][0].tokens
+
+
+def test_int8_lm_head_switched_on_keeps_the_fp16_head():
+    """engine_ab switches lm_head_int8 on an engine built without it: the codes are made on first use and the fp16
+    head stays, so switching back gives the fp16 logits again."""
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS["gqa4-d64"]
+    eng = Engine(checkpoint(config, "awq"), EngineConfig(max_len=128))
+    tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    a = decode_steps(eng, tokens, 8)[0]
+    eng.cfg = dataclasses.replace(eng.cfg, lm_head_int8=True)
+    for cache in eng._caches.values():
+        cache.graphs.clear()
+    b = decode_steps(eng, tokens, 8)[0]
+    assert eng.lm_head_q is not None and eng.lm_head is not None and 0 < rel(b, a) < 2e-2
+    eng.cfg = dataclasses.replace(eng.cfg, lm_head_int8=False)
+    for cache in eng._caches.values():
+        cache.graphs.clear()
+    assert torch.equal(decode_steps(eng, tokens, 8)[0], a)
+
+
 def test_callers_on_the_default_stream_see_finished_results():
     """The CLI calls the engine from torch's default stream (the fixture runs tests on fllama's own stream, which
     hid a race once): results read there must be complete, and inputs made there must be complete when read."""
