@@ -319,8 +319,8 @@ class EngineConfig:
     defer_int8_quant: bool = True
     # the lm_head as int8 codes with an fp32 scale per vocabulary row (calibrate.int8, computed at load from the fp16
     # head), fp16 activations (fp16_gemv.cu's w8a16 entries): what a decode step reads of it halves (LLaMA-2-7B:
-    # 262 -> 131 MB a step). What it costs (SmolLM2-135M, 8,176 tokens of `fllama eval --lm-head-int8 --baseline`):
-    # KL 8.4e-4 nats a token, perplexity +0.08%, top-1 agreement 97.8%
+    # 262 -> 131 MB a step). What it costs (SmolLM2-135M, 16,352 tokens of `fllama eval --lm-head-int8 --baseline`,
+    # docs/quality.md): KL 8.5e-4 nats a token, perplexity +0.05%, top-1 agreement 97.8%
     lm_head_int8: bool = False
 
 

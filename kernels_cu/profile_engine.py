@@ -45,6 +45,7 @@ def main() -> None:
                     help="decode RMSNorms deferred into the GEMVs (EngineConfig.fold_norms)")
     ap.add_argument("--defer-int8-quant", action=argparse.BooleanOptionalAction, default=True,
                     help="int8 decode quantizes inside the GEMVs (EngineConfig.defer_int8_quant)")
+    ap.add_argument("--lm-head-int8", action="store_true", help="the int8 lm_head (EngineConfig.lm_head_int8)")
     ap.add_argument("--skip-prefill", action="store_true", help="profile the decode steps only")
     ap.add_argument("--timeline", action="store_true",
                     help="decode only: each kernel's critical-path increment over 8 replayed steps (timeline.py)")
@@ -52,7 +53,7 @@ def main() -> None:
     dev = torch.device("cuda")
     engine = Engine(random_weights(LlamaConfig.from_name(args.model), args.scheme, dev),
                     EngineConfig(max_len=args.tokens + 64, fold_norms=args.fold_norms,
-                                 defer_int8_quant=args.defer_int8_quant))
+                                 defer_int8_quant=args.defer_int8_quant, lm_head_int8=args.lm_head_int8))
     prompt = torch.randint(0, engine.config.vocab_size, (1, args.tokens))
     if not args.timeline:  # the decode step alone needs no prefill warm-up
         engine.forward(prompt, engine.new_cache(1, args.tokens + 8))  # warm-up
