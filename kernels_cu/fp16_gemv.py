@@ -31,7 +31,9 @@ DECODE_MAX_M = 16
 # y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPiiiPPPPf"
 # Up to 64 rows (the engine's largest decode bucket) the int8-weight GEMV: a panel's 16-row tiles run side by side,
-# so the weight comes from DRAM about once and from L2 for the other tiles.
+# so the weight comes from DRAM about once and from L2 for the other tiles; each tile's block converts every code
+# again, so 33-64 rows run at ~0.6x cuBLAS on an fp16 head (H100, docs/gpu.md step 31); dequantizing the head for
+# cuBLAS each step would add 393 MB of traffic to cuBLAS's 262.
 W8A16_GEMV_MAX_M = 64
 W8A16_CHUNK_ROWS = 8192  # channels dequantized at a time above it (an fp16 chunk of 16 MB at K = 1,024)
 # y, x, qweight, w_scale, M, N, K, fold_in, eps
