@@ -28,7 +28,6 @@ def counters(pool: str, device: torch.device, n: int) -> torch.Tensor:
     return have
 
 
-
 def split_k_workspace(pool: str, device: torch.device, splits: int, m: int, n: int,
                       columns: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A K-split GEMM's workspace (awq_batch.cu, awq_wgmma_decode.cu): fp32 partials [splits, m, n] and the pool's
@@ -38,6 +37,7 @@ def split_k_workspace(pool: str, device: torch.device, splits: int, m: int, n: i
         return None, None
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=device)  # [S, M, N]
     return partial, counters(pool, device, columns)
+
 
 def pools(pool: str) -> list[torch.Tensor]:
     """Every live tensor of the pool (tests check they are zero between launches)."""

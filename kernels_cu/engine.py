@@ -391,11 +391,9 @@ class Engine:
     def step_weight_bytes(self, batch: int) -> int:
         """Bytes of weights one decode step of `batch` rows reads: the layers, the final norm, the lm_head as it runs
         (fp16, or its int8 codes and scales) and the embedding rows looked up."""
-        if self.cfg.lm_head_int8:
-            head = sum(t.numel() * t.element_size() for t in self._lm_head_int8())
-        else:
-            head = self._lm_head_fp16().numel() * 2
-        return self._body_bytes() + head + self.config.hidden_size * 2 * batch
+        c = self.config
+        head = c.vocab_size * (c.hidden_size + 4 if self.cfg.lm_head_int8 else 2 * c.hidden_size)  # codes + scales
+        return self._body_bytes() + head + c.hidden_size * 2 * batch
 
     def _body_bytes(self) -> int:
         n = self.norm.numel() * 2

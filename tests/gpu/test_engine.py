@@ -279,19 +279,16 @@ def test_int8_lm_head_switched_on_keeps_the_fp16_head():
     """engine_ab switches lm_head_int8 on an engine built without it: the codes are made on first use and the fp16
     head stays, so switching back gives the fp16 logits again."""
     from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.engine_ab import set_option
 
     config = CONFIGS["gqa4-d64"]
     eng = Engine(checkpoint(config, "awq"), EngineConfig(max_len=128))
     tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     a = decode_steps(eng, tokens, 8)[0]
-    eng.cfg = dataclasses.replace(eng.cfg, lm_head_int8=True)
-    for cache in eng._caches.values():
-        cache.graphs.clear()
+    set_option(eng, "lm_head_int8", True)
     b = decode_steps(eng, tokens, 8)[0]
     assert eng.lm_head_q is not None and eng.lm_head is not None and 0 < rel(b, a) < 2e-2
-    eng.cfg = dataclasses.replace(eng.cfg, lm_head_int8=False)
-    for cache in eng._caches.values():
-        cache.graphs.clear()
+    set_option(eng, "lm_head_int8", False)
     assert torch.equal(decode_steps(eng, tokens, 8)[0], a)
 
 
