@@ -5,7 +5,7 @@ round-to-nearest (and the input down by 1/s, folded into whatever produced the i
 relative rounding error. Per group of linears sharing an input, s = mean|x|^alpha is searched over a
 grid of alpha by the output error of the block the linears sit in; then each group's clipping range is
 shrunk where that lowers the output error. The result (scales, clips) is a plain artifact: save it,
-replay it with `apply_awq`, then pack the dense weights with round-to-nearest (calibrate.awq_pack).
+replay it with `apply_awq`, then pack the dense weights with round-to-nearest (model_zoo.quant.awq_pack).
 
 Cost (SmolLM2-135M layer, 4096 search tokens, 20 alphas, fp32 CPU): ~12 s of one core's time, ~90%
 of it the block forwards of the qkv and gate_up grids (~0.75 TFLOP); runtime scales with search_tokens.
@@ -103,7 +103,7 @@ def fake_quant_groups(w: torch.Tensor, group_size: int, clip_max: torch.Tensor |
     """W [N, K] -> W_hat [N, K]: 4-bit round-to-nearest per row and group of G inputs, dequantized.
 
     clip_max [N, K/G] clamps each group to [-clip_max, clip_max] first. scale_dtype (fp16, as the
-    checkpoint stores it) rounds the step before the codes are chosen, as calibrate.awq_pack does.
+    checkpoint stores it) rounds the step before the codes are chosen, as model_zoo.quant.awq_pack does.
     """
     if w.dim() != 2:
         raise ConfigError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")

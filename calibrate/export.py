@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from model_zoo.errors import FllamaError
-from model_zoo.formats import export_tensors_linear
+from model_zoo.quant.formats import export_tensors_linear
 from model_zoo.weights import LINEAR_NAMES, ModelWeights
 
 FORMAT_VERSION = 1

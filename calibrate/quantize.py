@@ -11,14 +11,14 @@ import torch
 
 from calibrate.awq import AwqConfig, apply_awq, check_group_size, search_layer
 from calibrate.capture import CaptureConfig, LayerwiseRunner
-from calibrate.int8 import ActQuant
 from calibrate.methods import CalibConfig, CalibMethod
 from calibrate.ranges import compute_amax
 from calibrate.smoothquant import apply_smoothing
 from calibrate.stats import CalibStats, PointStats
 from model_zoo.errors import ConfigError
-from model_zoo.formats import Scheme, amax_as_stored, awq_quantization_config, int8_quantization_config
-from model_zoo.quantized_linear import AwqLinear, Int8Linear
+from model_zoo.quant.formats import Scheme, amax_as_stored, awq_quantization_config, int8_quantization_config
+from model_zoo.quant.int8 import ActQuant
+from model_zoo.quant.linear import AwqLinear, Int8Linear
 from model_zoo.weights import ModelWeights
 
 # which capture point feeds each linear

@@ -76,8 +76,8 @@ def bench_cmd(
     err.print(f"[dim]{info['name']} · driver {info.get('driver_version')} · copy bandwidth {bw / 1e12:.2f} TB/s[/]")
 
     from kernels_cu.engine import Engine, EngineConfig
-    from fllama_cli.runtime import build_weights
     from model_zoo.load import load_model
+    from model_zoo.quant.checkpoint import build_weights
 
     rows, base_rows = [], {}
     config = None

@@ -9,14 +9,12 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from calibrate.calibration import DataConfig, calibrate_model, range_report
-from calibrate.capture import CaptureConfig
+from calibrate.calibration import DataConfig, range_report
 from calibrate.methods import CalibConfig, parse_methods
 from calibrate.stats import CalibStats
 from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
@@ -60,34 +58,29 @@ def calibrate_cmd(
     if output.exists() and not force:
         raise FllamaError(f"{output} already exists; use --force to overwrite it")
 
-    from calibrate.calibration import calibration_windows
-    from fllama_cli.runtime import build_weights, torch_device
-    from model_zoo.load import load_model
+    from calibrate.pipeline import CalibrateJob, run_calibrate
 
-    dev = torch_device(device)  # capture runs in torch: a GPU helps even without the PyCUDA engine
-    loaded = load_model(model, random=random, seed=seed or 0)
-    dtype = torch.float16 if dev == "cuda" else torch.float32
-    windows = calibration_windows(loaded.tokenizer, data_cfg, loaded.config.max_positions)  # [samples, seq_len]
-    weights = build_weights(loaded, torch.float32, "cpu")  # stays on the host; layers visit the device
-    cap = CaptureConfig(batch=batch, device=dev, dtype=dtype)
-    n_layers = loaded.config.n_layers
+    job = CalibrateJob(model=model, output=output, data=data_cfg, calib=calib, batch=batch, device=device.value,
+                       random=random, seed=seed or 0, force=force)
     total = samples * seq_len
-    t0 = time.perf_counter()
     with Progress(TextColumn("[bold]layer {task.fields[layer]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err,
                   disable=quiet or json_out or not err.is_terminal) as bar:
-        task = bar.add_task("capture", total=n_layers * total, layer=f"0/{n_layers}", rate="")
+        started: dict = {}  # the bar and its clock start with the capture, after the model has loaded
 
-        def progress(layer: int, tokens: int) -> None:
+        def progress(layer: int, n_layers: int, tokens: int) -> None:
+            if not started:
+                started.update(t0=time.perf_counter(), task=bar.add_task("capture", total=n_layers * total,
+                                                                        layer=f"0/{n_layers}", rate=""))
+                return
+            task = started["task"]
             bar.advance(task, tokens)
             done = bar.tasks[0].completed
-            rate = done / max(time.perf_counter() - t0, 1e-9)
+            rate = done / max(time.perf_counter() - started["t0"], 1e-9)
             bar.update(task, layer=f"{layer + 1}/{n_layers}", rate=f"{rate:,.0f} tok/s")
 
-        stats = calibrate_model(weights, windows, data_cfg, calib, cap, loaded.source, progress)
-    stats.meta["seconds"] = round(time.perf_counter() - t0, 2)
-    stats.meta["device"] = dev
-    stats.save(output, force=force)
+        stats = run_calibrate(job, progress)
+    dev = stats.meta["device"]
     if not json_out:
         err.print(f"[dim]wrote {output} ({len(stats.points)} capture points, {samples}x{seq_len} tokens of {data}, "
                   f"{stats.meta['seconds']:.1f} s on {dev})[/]")

@@ -8,51 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fllama_cli.options import JsonOpt, ModelArg, RandomOpt
-from model_zoo.load import load_model
-
-
-def describe_model(source: str | None, random: bool = False) -> dict:
-    from fllama_cli.runtime import build_weights
-    from model_zoo.formats import scheme_of
-
-    import torch
-
-    loaded = load_model(source, random=random)
-    c = loaded.config
-    qcfg = loaded.meta.get("quantization_config")
-    weights = build_weights(loaded, torch.float16)
-    tok = loaded.tokenizer
-    fl = loaded.meta.get("fllama") or {}
-    info = {
-        "source": loaded.source,
-        "kind": loaded.kind,
-        "architecture": "llama",
-        "name": c.name,
-        "layers": c.n_layers,
-        "hidden_size": c.hidden_size,
-        "heads": c.n_heads,
-        "kv_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
-        "ffn_size": c.ffn_size,
-        "vocab_size": c.vocab_size,
-        "context": c.max_positions,
-        "rope_theta": c.rope_theta,
-        "tied_embeddings": c.tie_embeddings,
-        "parameters": c.n_params(),
-        "scheme": scheme_of(qcfg).value,
-        "stored_dtype": loaded.meta.get("dtype"),
-        "weight_bytes": weights.nbytes(),
-        "quantization_config": qcfg,
-        "calibrator": fl.get("calibrator"),
-        "group_size": (qcfg or {}).get("group_size"),
-        "tokenizer": type(tok).__name__ + (f" ({tok.kind})" if hasattr(tok, "kind") else ""),
-        "bos_id": tok.bos_id,
-        "eos_ids": sorted(tok.eos_ids),
-        "chat_template": tok.chat_template is not None,
-    }
-    if loaded.meta.get("gguf_file_type") is not None:
-        info["gguf_file_type"] = loaded.meta["gguf_file_type"]
-    return info
+from model_zoo.quant.checkpoint import describe_model
 
 
 def info_cmd(model: ModelArg = None, random: RandomOpt = False, json_out: JsonOpt = False) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from fllama_cli.options import DeviceChoice
 from model_zoo.errors import ConfigError, DeviceError
+from model_zoo.quant.checkpoint import build_weights, int8_round_trip
 
 
 @dataclass
@@ -58,26 +59,6 @@ def pick_device(choice: DeviceChoice) -> str:
     return "cuda" if ok else "cpu"
 
 
-def torch_device(choice: DeviceChoice) -> str:
-    """For work done in torch (calibration, quantization): the GPU when asked for or present."""
-    if choice == DeviceChoice.cuda and not torch.cuda.is_available():
-        raise DeviceError("--device cuda: no CUDA GPU visible to PyTorch")
-    return "cuda" if choice != DeviceChoice.cpu and torch.cuda.is_available() else "cpu"
-
-
-def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu"):
-    """ModelWeights for a loaded checkpoint, quantized linears included, on `device` in `dtype`."""
-    from model_zoo.formats import Scheme, load_quantized_weights, scheme_of
-    from model_zoo.weights import ModelWeights
-
-    qcfg = loaded.meta.get("quantization_config")
-    if scheme_of(qcfg) == Scheme.FP16:
-        weights = ModelWeights.from_state_dict(loaded.config, loaded.state_dict, meta={"scheme": "fp16"})
-    else:
-        weights = load_quantized_weights(loaded.config, loaded.state_dict, qcfg, dtype)
-    return weights.to(device, dtype)
-
-
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
                seed: int | None = None, dtype: torch.dtype | None = None,
                kv_int8: bool = False, lm_head_int8: bool = False) -> Opened:
@@ -99,13 +80,6 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
             weights = replace(weights, lm_head=int8_round_trip(weights.lm_head))
         backend = ReferenceModel(weights)
     return Opened(loaded, backend, dev, lm_head_int8)
-
-
-def int8_round_trip(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] through the int8 lm_head's codes and scales (calibrate.int8, one scale per row) and back."""
-    from calibrate.int8 import dequantize_weight_int8, quantize_weight_int8
-
-    return dequantize_weight_int8(*quantize_weight_int8(w), dtype=w.dtype)
 
 
 def read_prompt_arg(prompts: list[str] | None) -> list[str]:

@@ -287,9 +287,9 @@ extern "C" __global__ void __launch_bounds__(128)
 //   no workspace. Push mode, where block 0's range is one stage (short contexts, the common decode case) and the
 //   partials fit in the shared memory it leaves unused (Geom::PUSH_OFF): each other block stores its partial
 //   into block 0's shared memory (st.shared::cluster), arrives at the barrier and exits at once; block 0 waits
-//   there and combines from its own shared memory, with no remote round trip and no second barrier (docs/gpu.md
-//   step 25). Blocks past the row's end exit at once: a cluster barrier waits only for threads that have not
-//   exited (PTX ISA), and nothing reads their shared memory.
+//   there and combines from its own shared memory, with no remote round trip and no second barrier. Blocks past
+//   the row's end exit at once: a cluster barrier waits only for threads that have not exited (PTX ISA), and
+//   nothing reads their shared memory.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
 //   for the new token of each row, bit for bit, so the decode step needs no rope_kv launch. Row b's new
 //   token sits at p = lengths[b] - 1 (cache row b). Stage 0's copies go out before the PDL wait (they read
@@ -299,14 +299,14 @@ extern "C" __global__ void __launch_bounds__(128)
 //   active block (its range ends at the row's length, so its last stage holds p) rotates k, quantizes k
 //   and v for an int8 cache, and stores them at p. When p's stage is stage 0 (the only one: short contexts,
 //   the common decode case) p gets no copy and the same bytes go straight into the stage's row, so this
-//   block, which every cluster waits for, issues its copies without first waiting for the store (the probe
-//   had it ~0.5 us behind the others); else the store happens while stage 0 streams and the loop's barriers
+//   block, which every cluster waits for, issues its copies without first waiting for the store (else it
+//   trails the others); with more stages the store happens while stage 0 streams and the loop's barriers
 //   order it before the last stage's copies. Head groups of one kv head (HG > 1) each store the same
 //   bytes, so no block reads another block's store. rope_kv's guards with pos = p: p outside the cos/sin
 //   table -> q = 0 and no store; p >= L or an empty row -> no store.
 // Timing probe (-DFLLAMA_ATTN_PROBE, never in the engine's build): thread 0 of each fused block stamps
 // %globaltimer at its phases into fllama_attn_probe[block][phase] (phase 9: the SM), read back by
-// kernels_cu.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
+// kernels_cu.lab.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
 // 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit.
 #ifdef FLLAMA_ATTN_PROBE
 __device__ unsigned long long fllama_attn_probe[8192][10];
@@ -573,7 +573,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     // CL push mode, where block 0's range is one stage and the partials fit beside it: each other block stores its
     // partial straight into block 0's shared memory (Geom::PUSH_OFF), arrives at the cluster barrier and exits;
     // block 0 waits there and combines from its own shared memory. That saves the pull's DSMEM round trip and the
-    // second barrier, which kept every block until block 0 had read it. Phase 1, arrived at here, only says that
+    // second barrier, which keeps every block until block 0 has read it. Phase 1, arrived at here, only says that
     // every block has started (shared memory may be written remotely only then); phase 2 carries the partials.
     const bool push = CL && n_act > 1 && min(tps * 16, len) <= STAGE &&
                       (n_act - 1) * slots * (D + 2) * 4 <= G::PUSH_BYTES;  // the same in every block of the unit
@@ -781,7 +781,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             l1 += __shfl_xor_sync(FULL_MASK, l1, off);
         }
         // only the unit's head slots: with one query head per kv head (no GQA) that is 1 lane in 4 and half
-        // its values, and the stores of lanes t = 0..3 (same bank, D floats apart) no longer conflict
+        // its values, so the stores of lanes t = 0..3 (same bank, D floats apart) do not conflict
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

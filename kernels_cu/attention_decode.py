@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels_cu import build, counters
+from kernels_cu import build, counters, tuning
 from kernels_cu.checks import check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count, smem_per_sm
 
@@ -47,7 +47,6 @@ FUSED_NBUF = 2  # stages resident in shared memory
 FUSED_PH_STRIDE = 24  # halves per head row of a warp's P tile
 MAX_SPLITS = 512
 CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (attention_decode.cu; non-portable above 8)
-CLUSTERS = True  # the `_cl` entries where they apply (False: the workspace combine everywhere; A/B runs)
 COUNTER_POOL = "attention"
 SIGNATURE = "PPPPPPPPPPPPPPPPiiiiiif"  # the attn_fused_* entries
 FUSED_STATIC_SMEM = 176  # bytes of static shared memory (ptxas)
@@ -229,7 +228,7 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
         raise ValueError(f"batch {B} x {Hkv} kv heads x {groups} head groups exceeds the grid's 65535 units")
     name, units = f"attn_fused_d{D}{'_kv8' if kv8 else ''}", B * Hkv * groups
     max_clusters = None
-    if CLUSTERS and units > 0 and build.has_clusters(q.device.index or 0):
+    if tuning.current().attention_clusters and units > 0 and build.has_clusters(q.device.index or 0):
         fn_cl = build.get_function("attention_decode.cu", name + "_cl", SIGNATURE)
         smem = fused_smem_bytes(D, kv8)
         max_clusters = lambda s: fn_cl.max_active_clusters((s, units), (FUSED_THREADS,), smem, (s, 1, 1))  # noqa: E731

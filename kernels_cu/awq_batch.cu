@@ -4,7 +4,7 @@
 // Why not awq_gemv.cu at these sizes: its block is one 16-channel panel whose warps split K, so every panel
 // reads all the activations again (at 32 tokens 256 KB per panel against the panel's 32 KB of weights: the
 // q|k|v GEMV moves 106 MB through L2 for 27 MB of weights) and each warp waits for them at the start of its
-// step (ncu, H200: DRAM at 15% of peak, tensor pipe at 16%). Here:
+// step (DRAM at 15% of peak, tensor pipe at 16%). Here:
 //   block = 4 panels (64 channels) over the same k tiles and 8 * MT tokens; warp (p, half) computes panel p
 //   for one half of the token tiles (4 warps at MT = 1, 8 from MT = 2: token_halves below);
 //   a stage = one 128-k tile: the 8 * MT token rows of activations (MT x 2 KB), the 4 panels' weights

@@ -1,4 +1,4 @@
-"""Launcher of awq_batch.cu: the AWQ GEMM for decode batches on the GEMV layout (awq_gemv.AwqPacked).
+"""Launcher of awq_batch.cu: the AWQ GEMM for decode batches on the GEMV layout (awq_layout.AwqPacked).
 
 A block is 4 panels of 16 channels (64 channels) and 8 * MT tokens, a warp per panel and token half (8 warps
 from 16 tokens), streaming 128-k tiles through a shared-memory ring; K is split over several blocks when the
@@ -9,16 +9,14 @@ Callers go through awq_gemv.awq_linear / awq_batch_gemm, which check the inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kernels_cu import build, counters
+from kernels_cu import build, counters, tuning
+from kernels_cu.awq_layout import AwqPacked
 from kernels_cu.checks import out_or_new
 from kernels_cu.gemm_shapes import AWQ_WIDEST_TILE, cdiv, sm_count, token_tile
 
-if TYPE_CHECKING:
-    from kernels_cu.awq_gemv import AwqPacked
 
 PANEL = 16
 PANELS = 4  # per block: one per warp
@@ -26,11 +24,6 @@ CHANNELS = PANEL * PANELS
 STAGES = 4  # mirrors awq_batch.cu
 TILE_K = 128
 COUNTER_POOL = "awq_batch"
-# K splits: as many as keep the grid within BLOCKS_PER_SM blocks per SM, at most MAX_SPLITS. Measured on the
-# H200 at 32 tokens (docs/gpu.md): q|k|v best at 2 splits (384 blocks), o / down at 4 (256), gate|up at 1.
-BLOCKS_PER_SM = 3
-MAX_SPLITS = 4
-MIN_TILES_PER_SPLIT = 4
 
 
 def takes(n: int) -> bool:
@@ -67,18 +60,20 @@ class BatchLaunch:
 
 
 def plan(m: int, n: int, tiles: int, gpt: int, sms: int, splits: int | None = None) -> BatchLaunch:
-    """K splits (see BLOCKS_PER_SM), each at least MIN_TILES_PER_SPLIT tiles; `splits` forces the count
-    (tuning). No split is left empty."""
+    """K splits (tuning.py's awq_batch_*), as many as fill the SMs; `splits` forces the count. No split is left
+    empty."""
     mt = token_tile(m, AWQ_WIDEST_TILE)
     columns = (n // CHANNELS) * cdiv(m, 8 * mt)
     if splits is None:
-        splits = max(1, min(BLOCKS_PER_SM * sms // columns, MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
+        t = tuning.current()
+        splits = max(1, min(t.awq_batch_blocks_per_sm * sms // columns, t.awq_batch_max_splits,
+                            tiles // t.awq_batch_min_tiles_per_split))
     splits = max(1, min(splits, tiles))
     tps = cdiv(tiles, splits)
     return BatchLaunch(mt, cdiv(tiles, tps), tps, STAGES * stage_bytes(mt, gpt))
 
 
-def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: torch.Tensor | None,
+def launch(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None,
            splits: int | None = None) -> torch.Tensor:
     """x fp16 [M, K] (checked by the caller) -> y fp16 [M, p.out_features]."""
     M = x.shape[0]

@@ -1,9 +1,9 @@
 """AWQ W4A16 linear layers (awq_gemm.cu) in AutoAWQ's GEMM layout, and their torch references.
 
-    qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N]   (calibrate/awq_pack.py)
+    qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N]   (model_zoo/quant/awq_pack.py)
     w_hat[k, n] = fp16((q - z) * s)      y = x @ w_hat with fp32 accumulation   (+ residual, an fp16 add)
 
-M <= GEMV_MAX_M: awq_gemm kernel reading the packed weight directly (split over K, fp32 partials summed
+M <= tuning.awq_gemm_max_m: awq_gemm kernel reading the packed weight directly (split over K, fp32 partials summed
 by awq_reduce in a fixed order). Larger M: awq_dequant writes w_hat [K, N] and cuBLAS multiplies (vLLM
 switches at 256 tokens; our small-M kernel re-reads the weight per 16 tokens, so it stops earlier).
 Shapes the kernels do not take (N % 32, G % 16) fall back to the torch dequantizer.
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from calibrate.awq_pack import dequantize_awq
-from kernels_cu import build
+from model_zoo.quant.awq_pack import dequantize_awq
+from kernels_cu import build, tuning
 from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import AWQ_WARPS, GEMV_THREADS, awq_launch, cdiv, sm_count
 
-GEMV_MAX_M = 64  # crossover to dequantize + cuBLAS; microbench.py measures it
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -27,7 +26,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     """x fp16 [M, K] -> y fp16 [M, N]; `splits` overrides the K split of the small-M kernel (benchmarks)."""
     M, K, N, G = _check(x, qweight, qzeros, scales, residual)
     with build.on_stream():
-        if M > GEMV_MAX_M or not kernels_take(N, G):
+        if M > tuning.current().awq_gemm_max_m or not kernels_take(N, G):
             y = torch.matmul(x, awq_dequantize(qweight, qzeros, scales), out=out)  # [M, N]
             return y if residual is None else y.add_(residual)
         y = out_or_new(out, (M, N), torch.float16, x, "out", align=8)
@@ -46,7 +45,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
 
 def awq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """w_hat fp16 [K, N] (the transpose of calibrate.awq_pack.dequantize_awq), bit for bit."""
+    """w_hat fp16 [K, N] (the transpose of model_zoo.quant.awq_pack.dequantize_awq), bit for bit."""
     K, N = qweight.shape[0], scales.shape[1]
     G = K // max(1, scales.shape[0])
     with build.on_stream():

@@ -85,7 +85,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     // next step are issued before this step's math (software pipeline, as in fp16_gemv.cu), so a warp
     // keeps U KB of weights in flight; activations (L1/L2 hits after the first warp) are loaded at the
     // start of their step, which keeps the registers within what the entry points' block counts allow.
-    // At M <= 8 the kernel is bound by instruction issue (ncu: docs/gpu.md), so the steps that lie wholly
+    // At M <= 8 the kernel is bound by instruction issue, so the steps that lie wholly
     // inside K (all but at most the last) run without guards, zero fills or per-load address arithmetic;
     // only the last step (tiles past the end, k's past K) is guarded.
     constexpr int STEP = U * W;
@@ -111,8 +111,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     auto compute = [&](const Step& c, const uint4 (&xv)[U][MT][4]) {
 #ifdef FLLAMA_AWQ_TIMING_NO_MATH
         // Timing probe only (wrong results): every load of the kernel as it is, consumed, without the math: the
-        // ceiling of this load pattern and grid (docs/gpu.md step 13: LLaMA-2-7B's gate|up 91% of the copy
-        // bandwidth loads-only against 72% with the math, o_proj 54% against 45%).
+        // ceiling of this load pattern and grid.
         uint32_t v = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -269,10 +268,9 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
 
 // w_hat [N, K] = fp16((q - z) * s): one thread per 16 bytes of w_hat (8 consecutive k of one channel, which
 // are the 8 nibbles of one packed word), threads ordered (channel, tile, chunk c of the tile) so that a warp
-// stores 512 contiguous bytes of a w_hat row with each instruction. The reads (one word per thread, 64
-// contiguous bytes per 16 threads) are a fifth of the bytes. The first version gave each thread a lane's
-// 16-byte chunk (32 values): its four 16-byte stores per instruction were 64 bytes apart, half-sector
-// writes. Bit-identical to calibrate.awq_pack.dequantize_awq.
+// stores 512 contiguous bytes of a w_hat row with each instruction (a thread per lane's 16-byte chunk would
+// store 64 bytes apart: half-sector writes). The reads (one word per thread, 64 contiguous bytes per 16
+// threads) are a fifth of the bytes. Bit-identical to model_zoo.quant.awq_pack.dequantize_awq.
 template <int GPT>
 __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, const uint32_t* __restrict__ packed,
                                                    const uint32_t* __restrict__ terms, int N, int K, int tiles) {
@@ -319,16 +317,15 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
     FLLAMA_AWQ_GEMV_EPIS(MT, 1, U, 3) FLLAMA_AWQ_GEMV_EPIS(MT, 2, U, 3) FLLAMA_AWQ_GEMV_EPIS(MT, 4, U, 3)
 
 // U tiles per step (in flight per warp) against resident blocks per SM (BLOCKS, which caps the registers).
-// At 8 tokens and groups of 128: U = 2 in four blocks (114 registers) beat U = 4 in three (168) in the engine,
-// 525 vs 510 tok/s at batch 1 and 2,944 vs 2,870 at 8 (H200, docs/benchmarks.md step table): the down and
-// gate|up GEMVs gain more from the fourth block than q|k|v loses. Groups of 64 / 32 (terms take 4 / 8
+// At 8 tokens and groups of 128: U = 2 in four blocks (114 registers) rather than U = 4 in three (168): the down
+// and gate|up GEMVs gain more from the fourth block than q|k|v loses. Groups of 64 / 32 (terms take 4 / 8
 // registers per tile): U = 3 / 2 in three blocks (U = 4 spills). 16 / 32 tokens: U = 2 / 1 in three blocks.
 FLLAMA_AWQ_GEMV_EPIS(1, 1, 2, 4) FLLAMA_AWQ_GEMV_EPIS(1, 2, 3, 3) FLLAMA_AWQ_GEMV_EPIS(1, 4, 2, 3)
 FLLAMA_AWQ_GEMV_GROUPS(2, 2)
 FLLAMA_AWQ_GEMV_GROUPS(4, 1)
 // W = 8 warps per panel (block 256, two resident: the same 16 warps per SM), 8 tokens, groups of 128, for
 // grids of one wave of them (awq_gemv.py gemv_warps): LLaMA-2-7B's o_proj / down_proj have 256 panels, which at
-// 4 warps left every SM with about two blocks, half its warp slots; at 8 each warp streams half the tiles.
+// 4 warps leave every SM about two blocks, half its warp slots; at 8 each warp streams half the tiles.
 FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 8, 2, plain_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 8, 2, res_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 8, 2, silu_w8)

@@ -64,7 +64,7 @@ __device__ __forceinline__ void awq_scale_add(float (&acc)[MT][4], const float (
 }
 
 // w_hat = fp16((q - z) * s) of the 8 values one packed word holds (positions 0-7 of a lane's run: the word's
-// two mma runs of 4 k), bit for bit calibrate.awq_pack.dequantize_awq: q - z exact by the magic numbers,
+// two mma runs of 4 k), bit for bit model_zoo.quant.awq_pack.dequantize_awq: q - z exact by the magic numbers,
 // one fp16 rounding in the product with s. `term` is the group's word (fp16 s | fp16 1024 + z << 16).
 __device__ __forceinline__ uint4 awq_w_hat8(uint32_t wd, uint32_t term) {
     const __half2 zlo = bits_h2(prmt(term, term, 0x3232));

@@ -1,17 +1,17 @@
 // AWQ W4A16 prefill GEMM on Hopper's warpgroup tensor cores (wgmma, sm_90a), dequantization fused:
-//   y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)  (calibrate.awq_pack's dequantizer)
+//   y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)  (model_zoo.quant.awq_pack's dequantizer)
 // then the residual (an fp16 add) or SwiGLU of an interleaved gate|up weight, as awq_gemv.cu's epilogues.
 //
 // Why: the prefill path writes w_hat (13.5 GB of fp16 for LLaMA-2-7B at every 2048-token prefill) with
 // awq_packed_dequant and multiplies with cuBLAS; the dequantize pass alone is ~12% of the prefill.
 //
-// Sixth version: the product is computed transposed, y^T = w_hat x^T, so that the weight is wgmma's A operand
+// The product is computed transposed, y^T = w_hat x^T, so that the weight is wgmma's A operand
 // and A comes from registers ("RS" wgmma). w_hat never exists outside a thread's registers: each warp loads
 // its 16-channel panel's packed words straight from global memory (the engine layout, awq_layout.cuh, is
 // already the m16n8k16 A fragment that wgmma's register A takes per warp), converts them to w_hat fragments
-// and feeds them to the tensor cores. The five earlier versions made w_hat in shared memory (a producer
-// warpgroup converting into a ring the consumers' SS wgmma read): 446-465 TFLOP/s at best against cuBLAS's
-// 609-660, with the tensor pipe 56% active (docs/gpu.md step 8). Here shared memory holds only x.
+// and feeds them to the tensor cores. Making w_hat in shared memory instead (a producer warpgroup converting
+// into a ring that the consumers' SS wgmma read) leaves the tensor pipe nearly half idle, well below cuBLAS. Here
+// shared memory holds only x.
 //
 // Block = 128 channels (two consumer warpgroups of 64: one panel per warp) x 256 tokens (wgmma N), 64 k per
 // stage (half of one 128-k tile of the layout), plus a producer warpgroup (setmaxnreg: it keeps 40 registers
@@ -23,13 +23,10 @@
 //     read from L2 once per pair), completing on each block's `full` mbarrier of the slot (32 KB expected);
 //     before it reuses a slot it waits on the slot's `empty` mbarrier, which the 8 consumer warps of both
 //     blocks arrive on once their wgmma of the stage retired. Those arrivals are relaxed: a release would
-//     make each arriving warp wait for its own weight loads in flight (the next tile's), 537-563 TFLOP/s
-//     against 637-648 relaxed (the wgmma's shared-memory reads are complete once wgmma.wait_group returns,
-//     so nothing else needs ordering).
-//   Measured on the way (H200, 2048 tokens, the four LLaMA-2-7B shapes; cuBLAS fp16 621-662 in the same
-//     runs): x permuted to the layout's k order by 4-byte cp.async 370-380; natural x by 16-byte cp.async
-//     522-533 (timing only); TMA issued by a consumer thread behind a per-stage block barrier 603-626; with
-//     no x copies at all (timing only) 731-765. A pair without multicast (FLLAMA_AWQ_WGMMA_CLUSTER=1) 618-633.
+//     make each arriving warp wait for its own weight loads in flight (the next tile's), and the wgmma's
+//     shared-memory reads are complete once wgmma.wait_group returns, so nothing else needs ordering.
+//     (cp.async copies of x, or TMA issued by a consumer behind a per-stage barrier, are slower;
+//     FLLAMA_AWQ_WGMMA_CLUSTER=1 builds the kernel without multicast.)
 //   k order: the layout's is not the natural one (lane t of a panel holds k 32 t .. 32 t + 31 of a 128-k
 //     tile; natural mma steps want k 16 j + 2 t + {0, 1, 8, 9}), and permuting x instead costs 4-byte copies.
 //     So each lane rearranges its words once per tile (natural_k_words): a 4 x 4 transpose of nibble columns
@@ -121,7 +118,7 @@ __device__ __forceinline__ void wgmma_rs_m64n256k16(float (&d)[128], const uint3
 // The cluster's (token tile, channel-tile pair), in launch order: groups of GROUP token tiles, tokens fastest
 // within a group, every pair of a group before the next group. A wave (66 pairs) then reads 8 x 256 rows of x
 // (16 MB at K = 4096) and ~16 channel tiles of weights, which stay in L2; with all token tiles in one sweep
-// (the grid's own order) a wave at 16384 tokens streamed all of x (128 MB) from DRAM again for every pair.
+// (the grid's own order) a wave at 16384 tokens would stream all of x (128 MB) from DRAM again for every pair.
 constexpr int GROUP = 8;
 __device__ __forceinline__ void cluster_order(int& token_tile, int& pair) {
     const int T = gridDim.x, P = gridDim.y / CLUSTER;
@@ -168,7 +165,7 @@ __device__ __forceinline__ void awq_wgmma(__half* y, const void* __restrict__ xm
         if (tid == CONSUMERS) {
             // The map may have been written by put_map (tensor_map.cu, under a graph) since the TMA unit last read
             // a map at this address: generic-proxy stores reach the tensormap proxy only through this acquire.
-            // Without it a replayed prefill graph used stale maps: its capture gives several GEMMs' maps one block.
+            // Without it a replayed prefill graph reads stale maps: its capture gives several GEMMs' maps one block.
             asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(xmap) : "memory");
             RingPos<XS> xc;
             for (int kt = 0; kt < stages; ++kt) {

@@ -2,24 +2,12 @@
 
     y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)   (+ residual, or SwiGLU)
 
-on the engine's packed layout (awq_gemv.AwqPacked) with groups of 128. The reference is awq_gemv.awq_linear_ref.
+on the engine's packed layout (awq_layout.AwqPacked) with groups of 128. The reference is awq_gemv.awq_linear_ref.
 
-Sixth version (fourteenth session): computed as y^T = w_hat x^T with w_hat as wgmma's register operand,
-converted in the registers of the warp that loaded its packed words; shared memory holds only x, brought by TMA
-and shared by two blocks (multicast). H200, 2048 tokens, the four LLaMA-2-7B shapes: 637-648 TFLOP/s against
-cuBLAS fp16's 621-662 in the same run (the four GEMMs of a layer 1,292 us against 1,298), and dequantize +
-cuBLAS 557-650 (awq_wgmma.cu has the steps between). The engine's AWQ prefill runs on it
-(awq_gemv.FUSED_PREFILL). The five earlier versions made w_hat in shared memory (same benchmark;
-FLLAMA_AWQ_TIMING_NO_DEQUANT skipped the conversion):
-
-    version (2-5 warp-specialized, eighth session)    awq_wgmma   no conversion   dequant + cuBLAS   cuBLAS fp16
-    1: every warp copies, converts, issues (7th)       427-446     494-554         555-582            610-660
-    2: producer warpgroup copies x too, 4 shared slots 440-460     534-578         558-577            617-661
-    3: as 2 with separate x / w_hat rings (5 / 3)      416-429     476-512         558-585            618-663
-    4: consumers copy their own x                      446-465     512-569         567-592            624-659
-    5: as 4 with two producer warpgroups, 192 channels 371-411     427-501         553-596            621-670
-
-docs/gpu.md steps 8 and 14 have why those fell short and what this one changed.
+Computed as y^T = w_hat x^T with w_hat as wgmma's register operand, converted in the registers of the warp that
+loaded its packed words, so shared memory holds only x, brought by TMA and shared by two blocks (multicast): the
+conversion hides under the tensor cores and the GEMM runs at cuBLAS fp16's rate with no w_hat pass. The engine's
+AWQ prefill runs on it where it applies (tuning.awq_fused_prefill).
 """
 
 from __future__ import annotations

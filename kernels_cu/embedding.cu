@@ -9,8 +9,8 @@
 // for an int8 q|k|v (norm_fold.py): sums per 8 channels and mx = max |xg| per 8, as the int8 GEMVs' Int8Fold
 // writes them, so layer 0's norm is a quantize_fold too (no rmsnorm_dyn: one block, ~6 us of an int8 step).
 // Every entry also takes (lengths, lens) int32 [T], both null or neither: a decode step's first kernel writes
-// lens = lengths + 1, the attention lengths of the step (a separate elementwise kernel cost the step ~2 us, as
-// it has no programmatic launch).
+// lens = lengths + 1, the attention lengths of the step (a separate elementwise kernel, with no programmatic
+// launch, would cost the step ~2 us).
 #include "common.cuh"
 
 using namespace fllama;

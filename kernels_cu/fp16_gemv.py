@@ -11,16 +11,16 @@ the GEMV's epilogue; beyond 16 rows silu_mul_interleaved does it in one kernel a
 
 int8 weights with fp16 activations (`w8a16_linear`, the engine's int8 lm_head): the same GEMV on half the bytes,
 
-    y[m, n] = fp16(w_scale[n] * sum_k x[m, k] * qweight[n, k])   (calibrate.int8's per-channel codes)
+    y[m, n] = fp16(w_scale[n] * sum_k x[m, k] * qweight[n, k])   (model_zoo.quant.int8's per-channel codes)
 
-up to W8A16_GEMV_MAX_M rows; above, each chunk of W8A16_CHUNK_ROWS channels dequantized to fp16 for cuBLAS.
+up to tuning.w8a16_gemv_max_m rows; above, each chunk of W8A16_CHUNK_ROWS channels dequantized to fp16 for cuBLAS.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels_cu import build, norm_fold
+from kernels_cu import build, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import GEMV_RING_BYTES, GEMV_THREADS, gemv_grid, gemv_shared, token_tile
 from kernels_cu.norm_fold import FoldIn, FoldOut
@@ -30,11 +30,6 @@ from kernels_cu.swiglu_layout import swiglu_interleaved
 DECODE_MAX_M = 16
 # y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPiiiPPPPf"
-# Up to 64 rows (the engine's largest decode bucket) the int8-weight GEMV: a panel's 16-row tiles run side by side,
-# so the weight comes from DRAM about once and from L2 for the other tiles; each tile's block converts every code
-# again, so 33-64 rows run at ~0.6x cuBLAS on an fp16 head (H100, docs/gpu.md step 31); dequantizing the head for
-# cuBLAS each step would add 393 MB of traffic to cuBLAS's 262.
-W8A16_GEMV_MAX_M = 64
 W8A16_CHUNK_ROWS = 8192  # channels dequantized at a time above it (an fp16 chunk of 16 MB at K = 1,024)
 # y, x, qweight, w_scale, M, N, K, fold_in, eps
 W8A16_SIGNATURE = "PPPPiiiPf"
@@ -104,7 +99,7 @@ def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out:
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,
                  fold_in: FoldIn | None = None) -> torch.Tensor:
-    """x fp16 [M, K], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N]: the GEMV up to W8A16_GEMV_MAX_M
+    """x fp16 [M, K], qweight int8 [N, K], w_scale fp32 [N] -> y fp16 [M, N]: the GEMV up to w8a16_gemv_max_m
     rows (fold_in: the deferred RMSNorm), cuBLAS on dequantized chunks above (the weight rounded to fp16 once)."""
     if x.dim() != 2 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]:
         raise ValueError(f"x [M, K] and qweight [N, K] expected, got {tuple(x.shape)} and {tuple(qweight.shape)}")
@@ -117,7 +112,8 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, 
         y = out_or_new(out, (M, N), torch.float16, x, "out", align=2)
         if M == 0 or N == 0:
             return y
-        if M <= W8A16_GEMV_MAX_M:
+        max_m = tuning.current().w8a16_gemv_max_m
+        if M <= max_m:
             norm_fold.check_in(fold_in, M, K)
             panels, tiles = gemv_grid(M, N)
             grid = (tiles, panels)  # a panel's token tiles side by side
@@ -126,7 +122,7 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, 
                shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
             return y
         if fold_in is not None:
-            raise ValueError(f"the deferred RMSNorm runs on the int8-weight GEMV only (M <= {W8A16_GEMV_MAX_M})")
+            raise ValueError(f"the deferred RMSNorm runs on the int8-weight GEMV only (M <= {max_m})")
         w = torch.empty(min(N, W8A16_CHUNK_ROWS), K, dtype=torch.float16, device=x.device)
         for n0 in range(0, N, W8A16_CHUNK_ROWS):
             n1 = min(N, n0 + W8A16_CHUNK_ROWS)

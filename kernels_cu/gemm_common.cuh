@@ -79,7 +79,7 @@ __device__ __forceinline__ uint2 ld_cached8(const void* p, bool ok) {
 }
 
 // Unguarded and unfilled forms, for steps known to lie inside the operand (no predicate, no zero moves:
-// the AWQ GEMV is issue-bound, and these were a third of its instructions).
+// the AWQ GEMV is issue-bound, and those would be a third of its instructions).
 __device__ __forceinline__ uint4 ld_stream_always(const void* p) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -111,7 +111,7 @@ __device__ __forceinline__ void cp_async_wait() {  // at most PENDING groups of 
 }
 
 // The W8A8 dequant epilogue (int8_gemm.cu, int8_wgmma.cu): two roundings in this order, like
-// calibrate.int8.int8_gemm_ref; the residual is added after the fp16 rounding, as the reference model adds
+// model_zoo.quant.int8.int8_gemm_ref; the residual is added after the fp16 rounding, as the reference model adds
 // two fp16 tensors.
 __device__ __forceinline__ __half int8_epilogue(int acc, float a_scale, float w_scale, const __half* residual) {
     const __half y = __float2half_rn(__fmul_rn(__fmul_rn((float)acc, a_scale), w_scale));
@@ -248,8 +248,8 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 // gemv_mma calls mma(acc[mt], a0, a1, a2, a3, x words) for the two k-halves of them (a0/a2 = words 0-1 of row g,
 // then 2-3).
 // The weights do not go to registers in that shape: a warp load of it covers half of 8 lines (8 rows x 64
-// bytes), and such GEMVs ran at 80-87% of the copy bandwidth where whole lines per instruction ran at 93-97%
-// (H200, step 18 of docs/gpu.md). Each step is copied by cp.async as whole lines (quarter-warp q copies the
+// bytes), and such GEMVs reach 80-87% of the copy bandwidth where whole lines per instruction reach 93-97%.
+// Each step is copied by cp.async as whole lines (quarter-warp q copies the
 // 128-byte lines of rows 2q, 2q + 1, 8 + 2q, 9 + 2q, lane chunk lane & 7) into the warp's own stage of a ring
 // in shared memory (GEMV_STAGES stages of 16 rows x UNROLL * 64 bytes, chunk c of odd rows stored at c ^ 4 so
 // that the lanes of one 16-byte read phase, rows g and g + 1, hit 8 different bank groups), and each lane
@@ -257,7 +257,7 @@ __device__ __forceinline__ void i8x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_t&
 // in flight while one is computed, and the first ones are issued before pdl_wait() (weights depend on no
 // earlier kernel). after_wait() runs right after the wait (the fp16 GEMV's deferred norm prefetches there,
 // norm_fold.cuh). K % (16 bytes of T) == 0: a chunk is all in or all out (zero-filled).
-constexpr int GEMV_STAGES = 2;  // gemm_shapes.GEMV_STAGES (3 measured no better, docs/gpu.md step 18)
+constexpr int GEMV_STAGES = 2;  // gemm_shapes.GEMV_STAGES (a third stage gains nothing)
 constexpr int GEMV_ROWS_PER_BLOCK = 16;
 
 struct NoHook {

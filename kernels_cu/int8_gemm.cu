@@ -35,7 +35,7 @@ constexpr int TILE_K = 64;
 // quantize.cu's rule (quantize_store8); the max of the partial maxima is the row's max exactly, so q and a_scale
 // are the bits the quantize kernel would have written, and the kernel that wrote them is gone from the decode
 // step. The main loop then reads x from shared memory. Every block redoes the rows (2 K bytes each from L2, all blocks at once), which
-// is why the engine uses this for one row only (int8_gemm.py XQ_MAX_ROWS).
+// is why the engine uses this for one row only (tuning.defer_quant_max_rows).
 struct XqHook {
     int8_t* xs;      // [rows][K] shared
     float* s_inv;    // [8] 127 / amax per row
@@ -47,9 +47,8 @@ struct XqHook {
     const float* row_amax;  // [M] each row's max |x| itself (the SwiGLU GEMV's atomic max), read instead of part
     int C, m0, rows, K;
 
-    // Every warp of every resident block runs this at once, so its instruction count is what it costs (the
-    // first version, with a division per element and a row select, cost 0.8 us more per GEMV on an H200): one
-    // row (the batch-1 decode) takes a path without index division.
+    // Every warp of every resident block runs this at once, so its instruction count is what it costs: one
+    // row (the batch-1 decode) takes a path without index division or row select.
     __device__ __forceinline__ void operator()() const {
         constexpr int NV = 8, THREADS = 32 * WARPS;
         const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -137,7 +136,7 @@ struct XqHook {
 
 // The deferred quantization of one row in the main loop (int8_gemv_xq1*, the batch-1 decode step): XqHook makes
 // every block read and quantize the whole row into shared memory behind a barrier before its first mma (down_proj:
-// 22 KB a block, 256 blocks at once), a cost each GEMV paid as ~1.2 us of start (docs/gpu.md step 27). Here
+// 22 KB a block, 256 blocks at once), ~1.2 us of start per GEMV. Here
 // XqRowHook only finds the row's max (one L2 read, every warp its own: no barrier), and RowQuantX quantizes each
 // tile's x as the loop needs it: the lanes of a warp read one 128-byte run of fp16 x a tile (4 bytes each, lane
 // (g, t) values 16 t + 2 g, +1), quantize their two values by quantize.cu's rule (the same codes as XqHook) and
@@ -198,8 +197,8 @@ struct RowQuantX {
 };
 
 // The int8 deferred RMSNorm of one row read by the GEMV after it (int8_gemv_nq1*, the batch-1 decode step's q|k|v
-// and gate|up) instead of a quantize_fold kernel in between (a launch and a wait per norm: 64 of ~1.3-1.6 us in an
-// H100 step; docs/gpu.md step 27): xg fp16 [1, K] = h * w and its C partial maxima mx and sums of h^2
+// and gate|up) instead of a quantize_fold kernel in between (a launch and a wait per norm, ~1.3-1.6 us each, 64
+// a step): xg fp16 [1, K] = h * w and its C partial maxima mx and sums of h^2
 // sq, as an Int8Fold producer wrote them. NormRowHook reduces the partials as quantize_fold does, in its order
 // (virtual threads v < 128 sum sq[v], sq[v + 128], ... in turn, then a butterfly per warp of 32, then the four
 // warps in order: the same float), so inv and a_scale are quantize_fold's bits, and RowQuantX quantizes xg tile by

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from calibrate.int8 import int8_gemm_ref as _contract_gemm
-from kernels_cu import build, int8_wgmma, norm_fold
+from model_zoo.quant.int8 import int8_gemm_ref as _contract_gemm
+from kernels_cu import build, int8_wgmma, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_THREADS, cdiv, gemv_grid, gemv_shared, gemv_xq_shared,
                                     token_tile)
@@ -34,17 +34,7 @@ from kernels_cu.norm_fold import FoldOut
 from kernels_cu.quantize import check_fold_inputs, quantize, quantize_fold
 
 DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faster one there anyway
-# Rows up to which the decode step defers its int8 quantizations into the GEMVs (engine A/B, LLaMA-2-7B, H200:
-# +1.8% at one row, -5% at two, -12% at four). Every block of the GEMV reads and quantizes the whole rows at its
-# start, all blocks at once, so the prologue grows with the rows (docs/gpu.md step 15); the kernels take up to 8.
-XQ_MAX_ROWS = 1
-XQ_KERNEL_ROWS = 8
-# One row is quantized in the GEMV's main loop, tile by tile (int8_gemv_xq1*), not in a prologue that every block
-# runs behind a barrier before its first mma (docs/gpu.md step 27); the same codes.
-XQ_ROW_LOOP = True
-# One row of an int8 deferred RMSNorm (NormQuant) is quantized by the GEMV after it (q|k|v, gate|up) in its main
-# loop, from the producer's partials, instead of by a quantize_fold kernel in between (docs/gpu.md step 27).
-NORM_ROW_LOOP = True
+XQ_KERNEL_ROWS = 8  # rows the deferred-quantization GEMVs take (tuning.defer_quant_max_rows says how many run)
 NQ_SIGNATURE = "PPPPPPPfiPPPiii"  # int8_gemv_nq1[_silu]
 SILU_SIGNATURE = "PPPPPiPPiii"  # int8_gemv_mt{1,2}_silu
 XQ_SIGNATURE = "PPPiPPPPPPPPPiii"  # int8_gemv_xq[1][_res]
@@ -69,8 +59,8 @@ class DeferredQuant:
 
 
 def norm_in_loop(rows: int) -> bool:
-    """Whether the GEMV after an int8 deferred RMSNorm of `rows` rows quantizes it itself (NORM_ROW_LOOP)."""
-    return rows == 1 and NORM_ROW_LOOP
+    """Whether the GEMV after an int8 deferred RMSNorm of `rows` rows quantizes it itself (tuning.norm_row_loop)."""
+    return rows == 1 and tuning.current().norm_row_loop
 
 
 @dataclass(frozen=True)
@@ -172,7 +162,7 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        row_loop = M == 1 and XQ_ROW_LOOP
+        row_loop = M == 1 and tuning.current().xq_row_loop
         fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{'1' if row_loop else ''}{res}", XQ_SIGNATURE)
         fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1], row_amax,
            xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
@@ -244,7 +234,7 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
 
 def int8_gemm_ref(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The contract in torch (calibrate.int8: exact int32 product, the same two fp32 roundings)."""
+    """The contract in torch (model_zoo.quant.int8: exact int32 product, the same two fp32 roundings)."""
     a = a_scale.float().reshape(-1).expand(q_x.shape[0])  # [M]
     y = _contract_gemm(q_x, qweight, a, w_scale.float(), torch.float16)  # [M, N]
     return y if residual is None else y + residual

@@ -9,10 +9,8 @@
 //   before the fp16 rounding. Each consumer block pulls its tokens' partial sums into L1 right after the PDL
 //   wait (no registers held) and each warp reduces its tokens' after its main loop, before the block's one
 //   epilogue barrier. Whatever a block adds is paid once per wave of blocks, so the tail is kept to one L1 round
-//   trip. Versions measured on the way (docs/gpu.md step 10): normalizing the row before the first mma lost 3%
-//   (ninth session); sums staged in shared memory and reduced behind two more barriers gained nothing at one
-//   row and lost 8% at eight; reducing after the first main-loop step gained most (+5.6% awq at one row) but
-//   cost 6-40 registers, and AWQ variants spilled.
+//   trip: normalizing the row before the first mma, or staging the sums behind more barriers, is slower, and
+//   reducing inside the main loop costs registers that the AWQ variants do not have.
 #pragma once
 #include "common.cuh"
 #include "gemm_common.cuh"
@@ -23,7 +21,7 @@ namespace fllama {
 // m0 + w, lane l its line l, by one 4-byte cp.async.ca (the copy allocates the 128-byte line in L1; no
 // registers are held) into the thread's own scratch word (copies into one word are unordered: racecheck).
 // That covers the engine's folded buckets (rows <= WARPS, K <= 16384); other tokens and lines are read from
-// L2 in the tail. prefetch.global.L1 did not make fold_rstd's loads hit (docs/gpu.md step 10).
+// L2 in the tail. (prefetch.global.L1 does not make fold_rstd's loads hit.)
 template <int WARPS>
 __device__ __forceinline__ void fold_prefetch(const float* part_in, int m0, int rows, int P) {
     __shared__ float scratch[WARPS * 32];  // written by the copies, never read
@@ -39,8 +37,8 @@ __device__ __forceinline__ void fold_prefetch(const float* part_in, int m0, int 
 // Consumer, warp w, after its main loop: rstd of its tokens m0 + w + WARPS t (t < TPW) into s_rstd (every warp
 // reads it after the block's epilogue barrier). Every load of a batch is issued before the first add, so the
 // tail waits for one round trip, not one per load (V x 16 bytes per lane and token: 512 sums of one token,
-// 256 each of two or more; more registers here pushed the 16-token fp16 GEMV from 106 to 140, one resident
-// block instead of two). A fixed summation order (lane sums, then the butterfly): every block gets the same
+// 256 each of two or more; more registers here would leave the 16-token fp16 GEMV one resident block instead
+// of two). A fixed summation order (lane sums, then the butterfly): every block gets the same
 // bits. rsqrtf, not rmsnorm.cu's correctly rounded ops: the fold is not bitwise the unfolded path anyway.
 template <int WARPS, int TPW>
 __device__ __forceinline__ void fold_rstd(float* s_rstd, const float* __restrict__ part_in, int m0, int rows, int P,

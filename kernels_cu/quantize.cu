@@ -72,7 +72,7 @@ constexpr int PARTS_THREADS = 128;
 // EARLY (quantize_fold_early): the dependents may launch before this kernel's wait, i.e. while the kernel before it
 // still runs. Only for a dependent that reads nothing but weights before its own wait (the int8 decode GEMVs: their
 // wait returns once this kernel, and so the one before it, has completed): their weight prefetch then streams
-// under the producer GEMV's tail, which a 1.4 us kernel in between otherwise leaves idle (docs/gpu.md step 24).
+// under the producer GEMV's tail, which a 1.4 us kernel in between otherwise leaves idle.
 template <bool EARLY>
 __device__ __forceinline__ void quantize_fold_rows(int8_t* __restrict__ q, float* __restrict__ a_scale,
                                                    const float* __restrict__ mx, const float* __restrict__ sq,

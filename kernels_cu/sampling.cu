@@ -7,7 +7,7 @@
 //   rng     int64 [1+B]  rng[0] = seed, rng[1+b] = row b's draw counter, incremented by the kernel
 //   out     int32 [B]    the sampled token
 //   next_ids, lengths, active  int32 [B] or all null: a captured decode step's bookkeeping, done by thread 0
-//           of each row (torch kernels there cost the step ~4 us, having no programmatic launch):
+//           of each row (torch kernels there, with no programmatic launch, would cost the step ~4 us):
 //           next_ids = out (the next step's input ids), lengths += active (rows that decoded advance)
 //
 // The order is model_zoo.sampling's: repetition penalty (HF: l > 0 ? l / p : l * p on seen tokens),
@@ -145,8 +145,8 @@ struct Row {
 
 // f(v, value) for every token v of the row this thread owns, in increasing v (so "first seen" is "lowest
 // index" within a thread): chunks of 8 consecutive tokens, chunk c to thread c % blockDim, U chunks' loads
-// issued together. A loop of one dependent 2-byte load per token (32 per thread at V = 32000) made the greedy
-// step's sampling a chain of L2 round trips: 15 us a step on an H200, ~1% of an awq batch-1 step.
+// issued together: a loop of one dependent 2-byte load per token (32 per thread at V = 32000) would make the
+// greedy step's sampling a chain of L2 round trips (~15 us a step).
 template <typename T, typename F>
 __device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
     constexpr int PER_VEC = 16 / sizeof(T);  // tokens per 16-byte load

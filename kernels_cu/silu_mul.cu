@@ -84,8 +84,8 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The int8 variants for a few rows. One block per row leaves all but T SMs idle while each thread walks 64 values
-// (LLaMA-2-7B: 8.2 us at one row, H200); here a row is spread over blocks of 128 threads, 8 values each. Dynamic:
+// The int8 variants for a few rows. One block per row leaves all but T SMs idle while each thread walks 64 values;
+// here a row is spread over blocks of 128 threads, 8 values each. Dynamic:
 // each block stores its fp16 values and their absmax, and quantize.cu's quantize_fold finishes the row with the
 // max of those maxima, which is the row's max exactly (the same bits as the one-block kernel). Static: the amax is
 // known, so each block quantizes its own values (a_scale from block 0).

@@ -1,6 +1,6 @@
 """SwiGLU activation (silu_mul.cu): silu(gate) * up from the fused gate|up output, optionally int8-quantized
 (dynamic per token or static per tensor, quantize.quantize_ref's rule) for the down projection, a row spread over
-blocks up to SPLIT_MAX_ROWS rows; and from a product in swiglu_layout.py's interleaved column order
+blocks up to tuning.silu_split_max_rows rows; and from a product in swiglu_layout.py's interleaved column order
 (`silu_mul_interleaved`, the fp16 path beyond the GEMV)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_cu import build
+from kernels_cu import build, tuning
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.gemm_shapes import cdiv
 from kernels_cu.quantize import PARTS_VALUES, quantize_fold, quantize_ref
@@ -16,10 +16,6 @@ from kernels_cu.quantize import PARTS_VALUES, quantize_fold, quantize_ref
 SIGNATURE = "PPPPPi"  # out, q, a_scale, static_amax, gate_up, F
 PART_SIGNATURE = "PPPPPPi"  # y, part, q, a_scale, static_amax, gate_up, F
 PART_VALUES = PARTS_VALUES  # silu_mul_part: 128 threads of 8 values a block, as quantize_fold's
-# Up to this many rows the int8 variants spread each row over blocks (silu_mul_part + quantize_fold): one block
-# per row left all but T SMs idle (LLaMA-2-7B at one row, H200: 8.2 us; docs/gpu.md step 13). SPLIT: off for A/B runs.
-SPLIT_MAX_ROWS = 64
-SPLIT = True
 INTERLEAVED_SIGNATURE = "PPq"  # out, y, n_panels
 INTERLEAVED_THREADS = 256  # one thread per 16-column panel
 
@@ -66,13 +62,13 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 def silu_mul_quant(gate_up: torch.Tensor, static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
                    a_scale: torch.Tensor | None = None, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 gate_up [T, 2F] -> (q int8 [T, F], a_scale fp32 [T]). split: each row over several blocks (the same
-    bits; by default up to SPLIT_MAX_ROWS rows)."""
+    bits; by default up to tuning.silu_split_max_rows rows)."""
     T, F_ = _check(gate_up)
     q = out_or_new(q, (T, F_), torch.int8, gate_up, "q", align=8)
     a_scale = out_or_new(a_scale, (T,), torch.float32, gate_up, "a_scale", align=4)
     mode = "dyn" if static_amax is None else "static"
     if split is None:
-        split = SPLIT and T <= SPLIT_MAX_ROWS
+        split = T <= tuning.current().silu_split_max_rows
     if not split or T == 0:
         _launch(mode, T, F_, q=q, a_scale=a_scale, static_amax=static_amax, gate_up=gate_up)
         return q, a_scale

@@ -14,7 +14,7 @@ extern "C" __global__ void __launch_bounds__(32)
             unsigned long long w11, unsigned long long w12, unsigned long long w13, unsigned long long w14,
             unsigned long long w15) {
     pdl_wait();  // a kernel still running before this one may be reading the same buffer
-    const unsigned t = threadIdx.x;  // word t of the map, selected without an array (which went to the stack)
+    const unsigned t = threadIdx.x;  // word t of the map, selected without an array (which would go to the stack)
     const unsigned long long lo = t < 4 ? (t < 2 ? (t ? w1 : w0) : (t == 2 ? w2 : w3))
                                         : (t < 6 ? (t == 4 ? w4 : w5) : (t == 6 ? w6 : w7));
     const unsigned long long hi = t < 12 ? (t < 10 ? (t == 8 ? w8 : w9) : (t == 10 ? w10 : w11))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from model_zoo.config import LlamaConfig
@@ -32,3 +34,21 @@ class EosTokenizer:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def tiny_hf_dir(tmp_path_factory, config: LlamaConfig) -> Path:
+    """A transformers-style checkpoint directory of `config` with random weights (module-scoped fixtures)."""
+    from tests._fixtures_loaders import write_hf_dir
+
+    d = tmp_path_factory.mktemp("tiny")
+    write_hf_dir(d, config)
+    return d
+
+
+def calib_text_file(tmp_path_factory) -> Path:
+    """20,000 characters of Sherlock Holmes in a .txt file: calibration text that needs no hub."""
+    from model_zoo.text_sources import load_text
+
+    p = tmp_path_factory.mktemp("text") / "calib.txt"
+    p.write_text(load_text("gutenberg:sherlock")[:20000])
+    return p

@@ -1,11 +1,11 @@
-"""kernels_cu.attention_probe's arithmetic on made-up stamps (the probe itself needs a GPU)."""
+"""kernels_cu.lab.attention_probe's arithmetic on made-up stamps (the probe itself needs a GPU)."""
 
 import math
 import os
 
 import torch
 
-from kernels_cu import attention_probe as ap
+from kernels_cu.lab import attention_probe as ap
 
 
 def stamps(rows: list[list[int]]) -> torch.Tensor:

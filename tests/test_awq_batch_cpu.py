@@ -3,6 +3,7 @@ H200 sweep chose (docs/gpu.md), every split non-empty, and the shared memory the
 
 from kernels_cu import awq_batch
 from kernels_cu.gemm_shapes import cdiv
+from kernels_cu.tuning import DEFAULT
 
 SMS = 132  # H100 / H200
 
@@ -23,7 +24,7 @@ def test_splits_cover_every_tile_once():
             assert 1 <= lp.splits <= tiles
             assert (lp.splits - 1) * lp.tiles_per_split < tiles <= lp.splits * lp.tiles_per_split
             if forced is None:
-                assert lp.splits == 1 or tiles // lp.splits >= awq_batch.MIN_TILES_PER_SPLIT - 1
+                assert lp.splits == 1 or tiles // lp.splits >= DEFAULT.awq_batch_min_tiles_per_split - 1
 
 
 def test_few_tiles_are_not_split():

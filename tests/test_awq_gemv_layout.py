@@ -5,9 +5,9 @@ here independently of the packer) reproduces x @ w_hat."""
 import pytest
 import torch
 
-from calibrate.awq_pack import dequantize_awq, quantize_awq
 from kernels_cu.awq_gemv import gemv_takes, gemv_warps, pack_for_gemv, unpack_from_gemv
 from kernels_cu.swiglu_layout import gate_up_order
+from model_zoo.quant.awq_pack import dequantize_awq, quantize_awq
 
 
 def awq_tensors(K: int, N: int, G: int, seed: int):

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from calibrate.awq_pack import (AWQ_ORDER, AWQ_REVERSE_ORDER, dequantize_awq, fake_quantize_awq, pack_awq,
-                                quantize_awq, quantize_awq_rtn, unpack_awq)
 from model_zoo.errors import ConfigError
-from model_zoo.formats import Scheme, awq_quantization_config, export_tensors_awq, linear_factory_for
-from model_zoo.quantized_linear import AwqLinear
+from model_zoo.quant.awq_pack import (AWQ_ORDER, AWQ_REVERSE_ORDER, dequantize_awq, fake_quantize_awq, pack_awq,
+                                      quantize_awq, quantize_awq_rtn, unpack_awq)
+from model_zoo.quant.formats import Scheme, awq_quantization_config, export_tensors_awq, linear_factory_for
+from model_zoo.quant.linear import AwqLinear
 
 # --- an independent reader/writer of the published layout (REFERENCE.md section 2), numpy and shifts ---------
 # Nibble i (bits 4i..4i+3) of word c holds column 8c + PUBLISHED_ORDER[i].

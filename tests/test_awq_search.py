@@ -58,7 +58,7 @@ def test_fake_quant_known_answer():
 
 
 def test_fake_quant_matches_awq_packer():
-    awq_pack = pytest.importorskip("calibrate.awq_pack")
+    awq_pack = pytest.importorskip("model_zoo.quant.awq_pack")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 64, generator=g)  # [N, K]
     clip = w.abs().reshape(24, 4, 16).amax(dim=2) * 0.8  # [N, K/G]

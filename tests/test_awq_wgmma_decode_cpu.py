@@ -2,6 +2,7 @@
 SMs idle (the H100 sweep's choices for LLaMA-2-7B at 32 tokens), every split non-empty, the ring's shared memory."""
 
 from kernels_cu import awq_wgmma_decode as dec
+from kernels_cu.tuning import DEFAULT
 
 SMS = 132  # H100 / H200
 
@@ -28,8 +29,8 @@ def test_splits_cover_every_tile_once():
             assert 1 <= lp.splits <= tiles
             assert (lp.splits - 1) * lp.tiles_per_split < tiles <= lp.splits * lp.tiles_per_split
             if forced is None:
-                assert lp.splits <= dec.MAX_SPLITS
-                assert lp.splits == 1 or tiles // lp.splits >= dec.MIN_TILES_PER_SPLIT - 1
+                assert lp.splits <= DEFAULT.awq_wgmma_decode_max_splits
+                assert lp.splits == 1 or tiles // lp.splits >= DEFAULT.awq_wgmma_decode_min_tiles_per_split - 1
 
 
 def test_few_tiles_are_not_split():

@@ -241,55 +241,52 @@ def test_sampling_params_and_reference_distribution():
     assert torch.allclose(probs[1], torch.tensor([0.0, e[0], e[1], 0.0], dtype=torch.float64))
 
 
-def test_engine_ab_switches_one_option_and_drops_the_graphs():
-    """kernels_cu.engine_ab (GPU A/B of an EngineConfig switch): the switch and the graph reset need no GPU."""
-    from types import SimpleNamespace
+def test_engine_variant_shares_weights_and_splits_config_from_tuning():
+    """Engine.variant (what engine_ab compares): the same uploaded layers, caches and graphs of its own, each field
+    given to EngineConfig or Tuning by its name; the engine it came from is unchanged."""
+    from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.tuning import DEFAULT
+    from model_zoo.config import LlamaConfig
 
-    from kernels_cu.engine import EngineConfig
-    from kernels_cu.engine_ab import set_option
+    base = Engine.__new__(Engine)  # no GPU: only the fields variant() reads
+    base.cfg, base.tuning, base.config = EngineConfig(), DEFAULT, LlamaConfig.from_name("llama2-7b")
+    base.layers, base.max_len = [object()], 4096
+    base._fresh_state()
+    base._caches[(1, False)] = "cache"
+    other = base.variant(fold_norms=False, attention_clusters=False, quant_fold_early_rows=4)
+    assert other.layers is base.layers and other._caches == {} and base._caches == {(1, False): "cache"}
+    assert other.cfg == EngineConfig(fold_norms=False) and base.cfg == EngineConfig()
+    assert other.tuning.attention_clusters is False and other.tuning.quant_fold_early_rows == 4
+    assert base.tuning is DEFAULT and DEFAULT.attention_clusters is True
+    with pytest.raises(TypeError):
+        base.variant(no_such_field=1)
 
-    cache = SimpleNamespace(graphs={"sampled": object()})
-    engine = SimpleNamespace(cfg=EngineConfig(), _caches={(1, False): cache})
-    set_option(engine, "fold_norms", False)
-    assert engine.cfg == EngineConfig(fold_norms=False) and cache.graphs == {}
-    proc = subprocess.run([sys.executable, "-m", "kernels_cu.engine_ab", "--switch", "no_such_field"], cwd=REPO,
+
+def test_engine_ab_checks_its_switch():
+    """`--switch`: an EngineConfig or Tuning field, a boolean for an A/B, a number for a sweep (--values); anything
+    else is refused with one line, before any GPU work."""
+    from kernels_cu.lab.engine_ab import check_switch, typed
+
+    check_switch("fold_norms")
+    check_switch("attention_clusters")
+    check_switch("quant_fold_early_rows", numeric=True)
+    check_switch("awq_wide_waves", numeric=True)
+    for bad, numeric, msg in [("nope", False, "unknown EngineConfig or Tuning field 'nope'"),
+                              ("awq_gemv_max_m", False, "is not a boolean"),
+                              ("fold_int8", True, "is not a number"), ("fold_norms", True, "is not a number")]:
+        with pytest.raises(SystemExit, match=msg):
+            check_switch(bad, numeric=numeric)
+    assert typed("quant_fold_early_rows", 4.0) == 4 and isinstance(typed("quant_fold_early_rows", 4.0), int)
+    assert typed("awq_wide_waves", 1.25) == 1.25
+    proc = subprocess.run([sys.executable, "-m", "kernels_cu.lab.engine_ab", "--switch", "no_such_field"], cwd=REPO,
                           capture_output=True, text=True)
-    assert proc.returncode != 0 and "unknown EngineConfig field 'no_such_field'" in proc.stderr
+    assert proc.returncode != 0 and "unknown EngineConfig or Tuning field 'no_such_field'" in proc.stderr
 
 
-def test_engine_ab_switches_a_module_boolean(monkeypatch):
-    """`--switch attention_decode.CLUSTERS`: a launcher's module-level boolean, set and the graphs dropped;
-    a missing or non-boolean attribute is refused with one line."""
-    from types import SimpleNamespace
+def test_engine_ab_values_and_table():
+    """--values parsing and the gain column: against the first value of a sweep, on against off for an A/B."""
+    from kernels_cu.lab.engine_ab import format_runs, parse_values
 
-    from kernels_cu import attention_decode
-    from kernels_cu.engine_ab import check_switch, set_option
-
-    monkeypatch.setattr(attention_decode, "CLUSTERS", True)
-    cache = SimpleNamespace(graphs={"sampled": object()})
-    engine = SimpleNamespace(cfg=None, _caches={(1, False): cache})
-    set_option(engine, "attention_decode.CLUSTERS", False)
-    assert attention_decode.CLUSTERS is False and cache.graphs == {} and engine.cfg is None
-    check_switch("attention_decode.CLUSTERS", set())
-    for bad, msg in [("attention_decode.NOPE", "no kernels_cu.attention_decode.NOPE"),
-                     ("attention_decode.MAX_SPLITS", "is not a boolean")]:
-        with pytest.raises(SystemExit, match=msg):
-            check_switch(bad, set())
-
-
-def test_engine_ab_sweeps_a_module_number(monkeypatch):
-    """`--switch engine.QUANT_FOLD_EARLY_ROWS --values 8,4,1`: a module's number, swept; a boolean or an
-    EngineConfig field is refused for a sweep, and the gains are against the first value."""
-    from kernels_cu import engine
-    from kernels_cu.engine_ab import check_switch, format_runs, parse_values
-
-    monkeypatch.setattr(engine, "QUANT_FOLD_EARLY_ROWS", 8)
-    check_switch("engine.QUANT_FOLD_EARLY_ROWS", set(), numeric=True)
-    for bad, msg in [("engine.FOLD_INT8", "is not a number"), ("fold_norms", "module's number")]:
-        with pytest.raises(SystemExit, match=msg):
-            check_switch(bad, {"fold_norms"}, numeric=True)
-    with pytest.raises(SystemExit, match="is not a boolean"):
-        check_switch("engine.QUANT_FOLD_EARLY_ROWS", set())
     assert parse_values("0,0.25,0.5") == [0.0, 0.25, 0.5]
     for bad in ("0", "a,b"):
         with pytest.raises(SystemExit):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,22 +14,6 @@ from tests._fixtures_loaders import write_hf_dir
 # hidden 64 and ffn 96 are both divisible by the AWQ group 32
 CFG = LlamaConfig(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=96, vocab_size=512,
                   rope_theta=50000.0, max_positions=256, name="cli-tiny")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tiny")
-    write_hf_dir(d, CFG)
-    return d
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    from model_zoo.text_sources import load_text
-
-    p = tmp_path_factory.mktemp("text") / "calib.txt"
-    p.write_text(load_text("gutenberg:sherlock")[:20000])
-    return p
 
 
 def fllama(capsys, monkeypatch, *args: str, stdin: str | None = None) -> tuple[int, str, str]:

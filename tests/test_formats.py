@@ -5,15 +5,15 @@ import json
 import pytest
 import torch
 
-from calibrate.awq_pack import quantize_awq
-from calibrate.int8 import ActQuant, quantize_weight_int8
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
-from model_zoo.formats import (Scheme, amax_as_stored, awq_quantization_config, describe_quantization,
-                               export_tensors_int8, export_tensors_linear, int8_quantization_config,
-                               linear_factory_for, load_quantized_weights, scheme_of)
 from model_zoo.linear import DenseLinear
-from model_zoo.quantized_linear import AwqLinear, Int8Linear
+from model_zoo.quant.awq_pack import quantize_awq
+from model_zoo.quant.formats import (Scheme, amax_as_stored, awq_quantization_config, describe_quantization,
+                                     export_tensors_int8, export_tensors_linear, int8_quantization_config,
+                                     linear_factory_for, load_quantized_weights, scheme_of)
+from model_zoo.quant.int8 import ActQuant, quantize_weight_int8
+from model_zoo.quant.linear import AwqLinear, Int8Linear
 from model_zoo.weights import LINEAR_NAMES, random_state_dict
 
 TINY = LlamaConfig(hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_size=128, vocab_size=256)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from calibrate.int8 import (MAX_IN_FEATURES, ActQuant, dequantize_weight_int8, fake_quant_linear, int8_gemm_ref,
-                            int8_matmul, quantize_act_per_token, quantize_act_static, quantize_weight_int8)
 from model_zoo.errors import ConfigError
 from model_zoo.linear import Linear
-from model_zoo.quantized_linear import Int8Linear
+from model_zoo.quant.int8 import (MAX_IN_FEATURES, ActQuant, dequantize_weight_int8, fake_quant_linear, int8_gemm_ref,
+                                  int8_matmul, quantize_act_per_token, quantize_act_static, quantize_weight_int8)
+from model_zoo.quant.linear import Int8Linear
 
 
 def test_weight_known_answer_per_output_channel():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.awq_pack import dequantize_awq
+from model_zoo.quant.awq_pack import dequantize_awq
 
 RNG = np.random.default_rng(0)
 
@@ -139,7 +139,7 @@ def random_awq(K: int, N: int, G: int):
 
 
 def test_awq_word_conversion_is_bitwise():
-    """LOP3 magic numbers + zero terms + fp16 scale == calibrate.awq_pack.dequantize_awq, every nibble."""
+    """LOP3 magic numbers + zero terms + fp16 scale == model_zoo.quant.awq_pack.dequantize_awq, every nibble."""
     K, N, G = 32, 64, 32
     qweight, qzeros, scales = random_awq(K, N, G)
     ref = dequantize_awq(qweight, qzeros, scales, G, torch.float16).T.contiguous().numpy()  # [K, N]

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from kernels_cu import build, launch_ex
+from kernels_cu import build, kernel_function, launch_ex
 from kernels_cu.build import KERNEL_DIR
 
 
@@ -39,12 +39,12 @@ def test_programmatic_scope_nests_and_unwinds(monkeypatch):
     with build.programmatic():
         with build.programmatic():
             pass
-        assert build._local.depth == 1
-    assert build._local.depth == 0
+        assert kernel_function._local.depth == 1
+    assert kernel_function._local.depth == 0
     with pytest.raises(RuntimeError):
         with build.programmatic():
             raise RuntimeError("boom")
-    assert build._local.depth == 0
+    assert kernel_function._local.depth == 0
 
 
 def _entries(text: str):
@@ -177,24 +177,24 @@ def test_argument_fast_path_packs_as_the_checked_path_and_falls_back_for_the_res
 
     import numpy as np
     sig = "PPPifqI"
-    convs = build.fast_converters(sig)
+    convs = kernel_function.fast_converters(sig)
     gpu = torch.zeros(2).as_subclass(GpuTensor)
     args = (gpu, None, 0x1234, 7, 0.5, np.int64(3), 2)  # a raw address and a numpy int take the checked path
     want = [0xBEEF, 0, 0x1234, 7, 0.5, 3, 2]
-    assert build._pack_args(convs, sig, "k", args) == want
-    assert build._pack_args(convs, sig, "k", (gpu, None, None, 7, 1, 3, 2)) == [0xBEEF, 0, 0, 7, 1.0, 3, 2]
+    assert kernel_function._pack_args(convs, sig, "k", args) == want
+    assert kernel_function._pack_args(convs, sig, "k", (gpu, None, None, 7, 1, 3, 2)) == [0xBEEF, 0, 0, 7, 1.0, 3, 2]
     with pytest.raises(ValueError, match="argument 0: tensor is on cpu"):
-        build._pack_args(convs, sig, "k", (torch.zeros(2),) + args[1:])
+        kernel_function._pack_args(convs, sig, "k", (torch.zeros(2),) + args[1:])
     with pytest.raises(TypeError, match="argument 3: expected an int"):
-        build._pack_args(convs, sig, "k", args[:3] + (True,) + args[4:])
+        kernel_function._pack_args(convs, sig, "k", args[:3] + (True,) + args[4:])
     with pytest.raises(TypeError, match="argument 3: expected an int"):
-        build._pack_args(convs, sig, "k", args[:3] + (7.0,) + args[4:])
+        kernel_function._pack_args(convs, sig, "k", args[:3] + (7.0,) + args[4:])
 
 
 def test_launch_dimensions_are_checked_once_and_padded():
-    assert build._dim3((5,)) == (5, 1, 1) and build._dim3((5,)) == (5, 1, 1)  # the second from the memo
-    assert build._dim3([2, 3]) == (2, 3, 1)
-    assert build._dim3((np_int := __import__("numpy").int32(4), 2)) == (4, 2, 1) and int(np_int) == 4
+    assert kernel_function._dim3((5,)) == (5, 1, 1) and kernel_function._dim3((5,)) == (5, 1, 1)  # the second from the memo
+    assert kernel_function._dim3([2, 3]) == (2, 3, 1)
+    assert kernel_function._dim3((np_int := __import__("numpy").int32(4), 2)) == (4, 2, 1) and int(np_int) == 4
     for bad in ((0,), (1, 1, 1, 1), ()):
         with pytest.raises(ValueError, match="1 to 3 positive ints"):
-            build._dim3(bad)
+            kernel_function._dim3(bad)

@@ -111,7 +111,7 @@ def test_smoothing_flattens_outliers_and_cuts_int8_error():
 
 def test_down_proj_smoothing_through_up_rows_is_exact_and_helps():
     import dataclasses
-    from calibrate.int8 import fake_quant_linear
+    from model_zoo.quant.int8 import fake_quant_linear
     from model_zoo.config import LlamaConfig
     from model_zoo.reference import layer_forward
     from model_zoo.weights import ModelWeights, random_state_dict

@@ -1,10 +1,10 @@
-"""kernels_cu.timeline: critical-path increments of overlapping kernels (CPU, synthetic traces)."""
+"""kernels_cu.lab.timeline: critical-path increments of overlapping kernels (CPU, synthetic traces)."""
 
 import json
 
 import pytest
 
-from kernels_cu.timeline import Kernel, critical_path, format_timeline, kernels_from_trace
+from kernels_cu.lab.timeline import Kernel, critical_path, format_timeline, kernels_from_trace
 
 
 def _step(t0: float) -> list[Kernel]:

@@ -25,8 +25,8 @@ def main() -> None:
     from kernels_cu.rope_kv import rope_kv, rope_table
     from kernels_cu.sampling import GpuSampler
     from kernels_cu.silu_mul import silu_mul, silu_mul_quant
-    from calibrate.awq_pack import quantize_awq
-    from calibrate.int8 import quantize_weight_int8
+    from model_zoo.quant.awq_pack import quantize_awq
+    from model_zoo.quant.int8 import quantize_weight_int8
     from model_zoo.sampling import SamplingConfig
 
     build.require_cuda()

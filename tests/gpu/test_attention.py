@@ -17,7 +17,7 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import attention_decode as ad  # noqa: E402
-from kernels_cu import build, counters  # noqa: E402
+from kernels_cu import build, counters, tuning  # noqa: E402
 from kernels_cu.attention_decode import (attention_decode, attention_decode_quant, attention_decode_ref,  # noqa: E402
                                          attention_decode_rope, attention_decode_rope_quant)
 from kernels_cu.quantize import quantize_ref  # noqa: E402
@@ -491,7 +491,7 @@ def test_prefill_last_query_equals_decode():
     (128, False, 64, 8, [100, 520, 40, 300]),
     (128, True, 64, 8, [60, 100, 17, 33]),
 ])
-def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, lengths, monkeypatch):
+def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, lengths):
     """The cluster entries combine the same partials in the same order: at the split count the launcher picks
     for clusters, out (and q_out, a_scale) bit for bit the workspace path's, in RoPE mode too (caches
     included), counters back at zero."""
@@ -506,7 +506,10 @@ def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, 
     S = None
 
     def run(clusters: bool, rope: bool):
-        monkeypatch.setattr(ad, "CLUSTERS", clusters)
+        with tuning.override(attention_clusters=clusters):
+            return _run(clusters, rope)
+
+    def _run(clusters: bool, rope: bool):
         out = torch.empty(B, H, D, dtype=torch.float16, device="cuda")
         poison(out)
         if rope:  # each path on its own copy of the caches

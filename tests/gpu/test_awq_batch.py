@@ -14,8 +14,10 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import awq_batch, build, counters  # noqa: E402
-from kernels_cu.awq_gemv import (BATCH_MIN_M, GEMV_MAX_M, WGMMA_DECODE_MIN_M, awq_batch_gemm,  # noqa: E402
-                                 awq_gemv, awq_linear, awq_linear_ref, pack_for_gemv)
+from kernels_cu.awq_gemv import awq_batch_gemm, awq_gemv, awq_linear, awq_linear_ref, pack_for_gemv  # noqa: E402
+from kernels_cu.tuning import DEFAULT  # noqa: E402
+
+BATCH_MIN_M, GEMV_MAX_M, WGMMA_DECODE_MIN_M = DEFAULT.awq_batch_min_m, DEFAULT.awq_gemv_max_m, DEFAULT.awq_wgmma_decode_min_m
 from kernels_cu.gemm_shapes import cdiv  # noqa: E402
 
 pytestmark = pytest.mark.gpu

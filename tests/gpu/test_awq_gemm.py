@@ -1,4 +1,4 @@
-"""awq_gemm / awq_dequantize against the AutoAWQ-layout reference (calibrate.awq_pack.dequantize_awq).
+"""awq_gemm / awq_dequantize against the AutoAWQ-layout reference (model_zoo.quant.awq_pack.dequantize_awq).
 
 The dequantizer must match bit for bit (same fp16 product); the GEMM is compared with a float64 product
 of the same w_hat, rounded to fp16.
@@ -12,8 +12,11 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, awq_tensors
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from calibrate.awq_pack import quantize_awq  # noqa: E402
-from kernels_cu.awq_gemm import GEMV_MAX_M, awq_dequantize, awq_dequantize_ref, awq_gemm, awq_gemm_ref  # noqa: E402
+from model_zoo.quant.awq_pack import quantize_awq  # noqa: E402
+from kernels_cu.awq_gemm import awq_dequantize, awq_dequantize_ref, awq_gemm, awq_gemm_ref  # noqa: E402
+from kernels_cu.tuning import DEFAULT  # noqa: E402
+
+GEMV_MAX_M = DEFAULT.awq_gemm_max_m
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """awq_gemv / awq_packed_dequantize (the engine's repacked AWQ layout) against float64 references.
 
-The dequantizer must match calibrate.awq_pack.dequantize_awq bit for bit; the GEMV (which scales each group's
+The dequantizer must match model_zoo.quant.awq_pack.dequantize_awq bit for bit; the GEMV (which scales each group's
 exact (q - z) . x sum in fp32 instead of rounding w_hat to fp16 first) is compared with the float64 product
 of w_hat rounded to fp16, at the same tolerance as the AutoAWQ-layout kernel.
 """
@@ -14,10 +14,13 @@ from tests.gpu.conftest import (GPU_STACK, SKIP_REASON, assert_equal, awq_tensor
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from calibrate.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
+from model_zoo.quant.awq_pack import dequantize_awq, quantize_awq  # noqa: E402
 from kernels_cu.awq_gemm import awq_gemm  # noqa: E402
-from kernels_cu.awq_gemv import (GEMV_MAX_M, SIGNATURE, THREADS, awq_gemv, awq_linear,  # noqa: E402
+from kernels_cu.awq_gemv import (SIGNATURE, THREADS, awq_gemv, awq_linear,  # noqa: E402
                                  awq_linear_ref, awq_packed_dequantize, gemv_warps, pack_for_gemv)
+from kernels_cu.tuning import DEFAULT  # noqa: E402
+
+GEMV_MAX_M = DEFAULT.awq_gemv_max_m
 from kernels_cu import build  # noqa: E402
 from kernels_cu.gemm_shapes import cdiv, sm_count  # noqa: E402
 from kernels_cu.swiglu_layout import gate_up_order  # noqa: E402

@@ -14,7 +14,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, awq_tensors, check_gemm, 
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu import awq_gemv, awq_wgmma, build, tensor_map  # noqa: E402
+from kernels_cu import awq_wgmma, build, tensor_map, tuning  # noqa: E402
 from kernels_cu.awq_gemv import awq_linear, awq_linear_ref, awq_packed_dequantize, pack_for_gemv  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -89,7 +89,8 @@ def test_residual_in_place():
 
 
 def test_awq_linear_prefill_takes_the_fused_gemm(monkeypatch):
-    """awq_linear above the GEMV's rows runs this kernel (FUSED_PREFILL), and w_hat + cuBLAS when it is off."""
+    """awq_linear above the GEMV's rows runs this kernel (tuning.awq_fused_prefill), and w_hat + cuBLAS when it is
+    off."""
     p = pack_for_gemv(*awq_tensors(512, 256, 128, seed=31))
     x = randn(200, 512, seed=32)
     calls = []
@@ -97,8 +98,8 @@ def test_awq_linear_prefill_takes_the_fused_gemm(monkeypatch):
     monkeypatch.setattr(awq_wgmma, "launch", lambda *a: calls.append(1) or launch(*a))
     fused = awq_linear(x, p)
     assert calls == [1]
-    monkeypatch.setattr(awq_gemv, "FUSED_PREFILL", False)
-    unfused = awq_linear(x, p)
+    with tuning.override(awq_fused_prefill=False):
+        unfused = awq_linear(x, p)
     assert calls == [1]
     ref = awq_linear_ref(x, p)
     check_gemm(fused, ref, "fused")

@@ -15,8 +15,10 @@ if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from kernels_cu import awq_wgmma_decode, build, counters  # noqa: E402
-from kernels_cu.awq_gemv import (GEMV_MAX_M, WGMMA_DECODE_MIN_M, awq_batch_gemm, awq_linear,  # noqa: E402
-                                 awq_linear_ref, pack_for_gemv)
+from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_linear_ref, pack_for_gemv  # noqa: E402
+from kernels_cu.tuning import DEFAULT  # noqa: E402
+
+GEMV_MAX_M, WGMMA_DECODE_MIN_M = DEFAULT.awq_gemv_max_m, DEFAULT.awq_wgmma_decode_min_m
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and build.has_wgmma(torch.cuda.current_device())),

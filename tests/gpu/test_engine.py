@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from calibrate.int8 import ActQuant
+from model_zoo.quant.int8 import ActQuant
 from model_zoo.config import LlamaConfig
 from model_zoo.generation import GenerationConfig, generate
-from model_zoo.quantized_linear import AwqLinear, Int8Linear
+from model_zoo.quant.linear import AwqLinear, Int8Linear
 from model_zoo.reference import ReferenceModel
 from model_zoo.sampling import SamplingConfig
 from model_zoo.tokenizer import Tokenizer
@@ -125,8 +125,8 @@ def test_graph_replay_equals_eager_decode():
 def test_prefill_graph_replays_equal_eager_prefills(scheme):
     """A prefill shape's second run captures a graph and later runs replay it: the same logits, cache and lengths
     as eager prefills of the same tokens, new tokens each time, from position 0 and continuing a row."""
-    from kernels_cu import engine as engine_mod
     from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.tuning import DEFAULT
 
     config = CONFIGS["smol-like"]
     w = checkpoint(config, scheme)
@@ -157,9 +157,9 @@ def test_prefill_graph_replays_equal_eager_prefills(scheme):
     for _ in range(2):
         cache.lengths.zero_()
         graphed.forward(torch.randint(0, config.vocab_size, (1, 5), generator=g), cache)
-    assert len(cache.prefill_graphs) == engine_mod.PREFILL_GRAPHS and ((0,), 5, (0,)) in cache.prefill_graphs
+    assert len(cache.prefill_graphs) == DEFAULT.prefill_graphs and ((0,), 5, (0,)) in cache.prefill_graphs
     assert ((0, 1), 24, (0, 0)) not in cache.prefill_graphs
-    long = torch.randint(0, config.vocab_size, (4, engine_mod.PREFILL_GRAPH_TOKENS // 4 + 1))  # 4 x 257 tokens
+    long = torch.randint(0, config.vocab_size, (4, DEFAULT.prefill_graph_tokens // 4 + 1))  # 4 x 257 tokens
     for _ in range(2):
         big = graphed.new_cache(4, long.shape[1] + 1)
         graphed.forward(long, big)
@@ -167,12 +167,13 @@ def test_prefill_graph_replays_equal_eager_prefills(scheme):
 
 
 def test_awq_prefill_graph_on_the_fused_gemm_equals_eager(monkeypatch):
-    """awq with groups of 128 prefills more than GEMV_MAX_M rows on awq_wgmma.cu (Hopper), whose x tensor maps a
+    """awq with groups of 128 prefills more than awq_gemv_max_m rows on awq_wgmma.cu (Hopper), whose x tensor maps a
     captured prefill writes with put_map (tensor_map.py): every replay gives the eager prefill's logits and cache.
     Replays once read stale maps (no tensormap-proxy acquire before the TMA) where the capture had put the maps of
     several GEMMs at one reused address: logits off by up to 7 at LLaMA-2-7B's shapes, different each replay."""
-    from kernels_cu import awq_gemv, awq_wgmma, build
+    from kernels_cu import awq_wgmma, build
     from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.tuning import DEFAULT
 
     if not build.has_wgmma(torch.cuda.current_device()):
         pytest.skip("the fused AWQ prefill GEMM runs on Hopper only")
@@ -184,7 +185,7 @@ def test_awq_prefill_graph_on_the_fused_gemm_equals_eager(monkeypatch):
     g = torch.Generator().manual_seed(11)
     caches = [graphed.new_cache(2, 64), eager.new_cache(2, 64)]
     for run in range(4):  # eager, capture + replay, replay, replay
-        tokens = torch.randint(0, config.vocab_size, (2, 48), generator=g)  # 96 rows > GEMV_MAX_M
+        tokens = torch.randint(0, config.vocab_size, (2, 48), generator=g)  # 96 rows > awq_gemv_max_m
         outs = []
         for eng, cache in zip((graphed, eager), caches):
             cache.lengths.zero_()
@@ -193,7 +194,7 @@ def test_awq_prefill_graph_on_the_fused_gemm_equals_eager(monkeypatch):
         (a0, kv0), (a1, kv1) = outs
         assert torch.isfinite(a0).all() and torch.equal(a0, a1), run
         assert all(torch.equal(x, y) for x, y in zip(kv0, kv1)), run
-    assert len(caches[0].prefill_graphs) == 1 and 2 * 48 > awq_gemv.GEMV_MAX_M
+    assert len(caches[0].prefill_graphs) == 1 and 2 * 48 > DEFAULT.awq_gemv_max_m
     assert len(fused) >= 4 * config.n_layers * 4  # the four GEMMs a layer, eagerly in both engines and captured
 
 
@@ -249,9 +250,9 @@ def test_int8_kv_cache_option(scheme):
 def test_int8_lm_head_option(name, scheme):
     """EngineConfig.lm_head_int8: prefill (cuBLAS on dequantized chunks) and decode (the w8a16 GEMV, the final norm
     deferred into it where the scheme folds) against the reference with the same int8-rounded head
-    (fllama_cli.runtime.int8_round_trip, what `--lm-head-int8` gives the CPU reference); greedy tokens equal; the
+    (model_zoo.quant.checkpoint.int8_round_trip, what `--lm-head-int8` gives the CPU reference); greedy tokens equal; the
     bytes a step reads count the codes and scales; an untied fp16 head is not kept."""
-    from fllama_cli.runtime import int8_round_trip
+    from model_zoo.quant.checkpoint import int8_round_trip
     from kernels_cu.engine import Engine, EngineConfig
 
     config = CONFIGS[name]
@@ -276,19 +277,18 @@ def test_int8_lm_head_option(name, scheme):
 
 
 def test_int8_lm_head_switched_on_keeps_the_fp16_head():
-    """engine_ab switches lm_head_int8 on an engine built without it: the codes are made on first use and the fp16
-    head stays, so switching back gives the fp16 logits again."""
+    """A variant with lm_head_int8 of an engine built without it (engine_ab): the codes are made on first use and
+    the fp16 head stays, so the engine it came from still gives the fp16 logits."""
     from kernels_cu.engine import Engine, EngineConfig
-    from kernels_cu.engine_ab import set_option
 
     config = CONFIGS["gqa4-d64"]
     eng = Engine(checkpoint(config, "awq"), EngineConfig(max_len=128))
     tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
     a = decode_steps(eng, tokens, 8)[0]
-    set_option(eng, "lm_head_int8", True)
-    b = decode_steps(eng, tokens, 8)[0]
-    assert eng.lm_head_q is not None and eng.lm_head is not None and 0 < rel(b, a) < 2e-2
-    set_option(eng, "lm_head_int8", False)
+    on = eng.variant(lm_head_int8=True)
+    b = decode_steps(on, tokens, 8)[0]
+    assert on.lm_head_q is not None and on.lm_head is not None and 0 < rel(b, a) < 2e-2
+    assert eng.lm_head_q is None
     assert torch.equal(decode_steps(eng, tokens, 8)[0], a)
 
 
@@ -310,13 +310,15 @@ def test_callers_on_the_default_stream_see_finished_results():
 def test_folded_norms_match_the_rmsnorm_kernels(scheme):
     """Decode with the RMSNorms deferred into the GEMVs (the default for small batches) against the same engine
     with rmsnorm.cu kernels: the same logits up to rounding, in eager steps and graph replays."""
-    from kernels_cu.engine import FOLD_MAX_ROWS, Engine, EngineConfig
+    from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.tuning import DEFAULT
 
     config = CONFIGS["smol-like"]
     w = checkpoint(config, scheme)
     folded, plain = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, fold_norms=False))
-    most = FOLD_MAX_ROWS[scheme]
-    assert folded._folds(1) and folded._folds(most) and not folded._folds(most + 1) and not plain._folds(1)
+    most = getattr(DEFAULT, f"fold_max_rows_{scheme}")
+    assert folded.plan(1).fold and folded.plan(most).fold and not folded.plan(most + 1).fold
+    assert not plain.plan(1).fold
     tokens = torch.randint(0, config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(2))
     outs = [decode_steps(eng, tokens, 8)[0] for eng in (folded, plain)]
     assert torch.isfinite(outs[0]).all()
@@ -332,13 +334,15 @@ def test_int8_folded_norms_match_the_rmsnorm_kernels(name, scheme, rows):
     quantizes xg for q|k|v and gate|up) against the same engine with rmsnorm_quant kernels: as near the reference
     (the fold drops an fp16 rounding, so some codes move by one), in graph replays and eager steps; beyond the
     GEMVs' rows, or with fold_norms=False, the kernels stay."""
-    from kernels_cu.engine import DECODE_MAX_M, Engine, EngineConfig
+    from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.fp16_gemv import DECODE_MAX_M
 
     config = CONFIGS[name]
     w = checkpoint(config, scheme)
     folded, plain = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, fold_norms=False))
-    assert folded._folds_int8(1) and folded._folds_int8(DECODE_MAX_M) and not folded._folds_int8(DECODE_MAX_M + 1)
-    assert not plain._folds_int8(1) and not folded._folds(1)  # the fp16 / AWQ fold is not int8's
+    assert folded.plan(1).int8_fold and folded.plan(DECODE_MAX_M).int8_fold
+    assert not folded.plan(DECODE_MAX_M + 1).int8_fold
+    assert not plain.plan(1).int8_fold and not folded.plan(1).fold  # the fp16 / AWQ fold is not int8's
     tokens = torch.randint(0, config.vocab_size, (rows, 14), generator=torch.Generator().manual_seed(2))
     outs = [decode_steps(eng, tokens, 8)[0] for eng in (folded, plain)]
     assert torch.isfinite(outs[0]).all()
@@ -351,26 +355,25 @@ def test_int8_folded_norms_match_the_rmsnorm_kernels(name, scheme, rows):
 
 @pytest.mark.parametrize("name,scheme", [("gqa4-d64", "int8-dynamic"), ("smol-like", "int8-dynamic"),
                                          ("mha-d128", "int8-static")])
-def test_one_row_quantized_in_the_gemv_loops_gives_the_same_bits(name, scheme, monkeypatch):
+def test_one_row_quantized_in_the_gemv_loops_gives_the_same_bits(name, scheme):
     """At one row the int8 GEMVs quantize their inputs in their main loops: q|k|v and gate|up the deferred norms
     from the producers' partials (no quantize_fold kernels; q|k|v clears the SwiGLU's row max), o_proj and down_proj
     attention's and the SwiGLU's output. Against the quantize_fold kernels and the prologue: the same logits bit for
     bit over graph replays (every layer and step reuses the row-max buffer) and eager steps."""
-    from kernels_cu import int8_gemm
+    from dataclasses import replace
+
     from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.tuning import DEFAULT
 
     config = CONFIGS[name]
     w = checkpoint(config, scheme)
     tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(8))
     outs = []
     for loop in (True, False):
-        monkeypatch.setattr(int8_gemm, "NORM_ROW_LOOP", loop)
-        monkeypatch.setattr(int8_gemm, "XQ_ROW_LOOP", loop)
-        outs.append(decode_steps(Engine(w, EngineConfig(max_len=64)), tokens, 7, max_len=32)[0])
+        t = replace(DEFAULT, norm_row_loop=loop, xq_row_loop=loop)
+        outs.append(decode_steps(Engine(w, EngineConfig(max_len=64), t), tokens, 7, max_len=32)[0])
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
-    monkeypatch.setattr(int8_gemm, "NORM_ROW_LOOP", True)
-    monkeypatch.setattr(int8_gemm, "XQ_ROW_LOOP", True)
     eager, _ = decode_steps(Engine(w, EngineConfig(max_len=64, use_graphs=False)), tokens, 7, max_len=32)
     assert torch.equal(eager, outs[1])
 
@@ -396,26 +399,31 @@ def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
 
 
 @pytest.mark.parametrize("name,rows", [("gqa4-d64", 3), ("smol-like", 1), ("mha-d128", 8)])
-def test_deferred_int8_quantization_gives_the_same_bits(name, rows, monkeypatch):
+def test_deferred_int8_quantization_gives_the_same_bits(name, rows):
     """int8 decode with the SwiGLU in the gate|up GEMV and o_proj / down_proj quantizing their own inputs (the
-    default up to XQ_MAX_ROWS rows; here up to the kernels' 8) against the kernels that quantize first: the same
+    default up to tuning.defer_quant_max_rows rows; here up to the kernels' 8) against the kernels that quantize first: the same
     logits bit for bit, in graph replays and eager steps; more rows, or static activations, keep the quantize
     kernels."""
-    from kernels_cu import engine, int8_gemm
+    from dataclasses import replace
+
     from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.int8_gemm import XQ_KERNEL_ROWS
+    from kernels_cu.tuning import DEFAULT
 
     config = CONFIGS[name]
     w = checkpoint(config, "int8-dynamic")
-    monkeypatch.setattr(engine, "FOLD_INT8", False)  # the deferred norms change rounding (their own test above)
-    deferred, plain = Engine(w, EngineConfig(max_len=64)), Engine(w, EngineConfig(max_len=64, defer_int8_quant=False))
-    assert deferred._defers_quant(1) and not deferred._defers_quant(int8_gemm.XQ_MAX_ROWS + 1)
-    monkeypatch.setattr(engine, "XQ_MAX_ROWS", int8_gemm.XQ_KERNEL_ROWS)
-    assert deferred._defers_quant(rows)
-    assert not plain._defers_quant(1)
-    assert not Engine(checkpoint(config, "int8-static"), EngineConfig(max_len=64))._defers_quant(1)
+    no_fold = replace(DEFAULT, fold_int8=False)  # the deferred norms change rounding (their own test above)
+    default = Engine(w, EngineConfig(max_len=64), no_fold)
+    assert default.plan(1).defer_o and not default.plan(DEFAULT.defer_quant_max_rows + 1).defer_o
+    t = replace(no_fold, defer_quant_max_rows=XQ_KERNEL_ROWS)
+    deferred = default.variant(defer_quant_max_rows=XQ_KERNEL_ROWS)
+    plain = Engine(w, EngineConfig(max_len=64, defer_int8_quant=False), t)
+    assert deferred.plan(rows).defer_o and deferred.plan(rows).defer_down
+    assert not plain.plan(1).defer_o
+    assert not Engine(checkpoint(config, "int8-static"), EngineConfig(max_len=64), t).plan(1).defer_o
     tokens = torch.randint(0, config.vocab_size, (rows, 12), generator=torch.Generator().manual_seed(6))
     outs = [decode_steps(eng, tokens, 7, max_len=32)[0] for eng in (deferred, plain)]
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
-    eager, _ = decode_steps(Engine(w, EngineConfig(max_len=64, use_graphs=False)), tokens, 7, max_len=32)
+    eager, _ = decode_steps(Engine(w, EngineConfig(max_len=64, use_graphs=False), t), tokens, 7, max_len=32)
     assert torch.equal(eager, outs[0])

@@ -106,8 +106,8 @@ def test_swiglu_beyond_16_rows_is_cublas_then_silu_mul_interleaved(M):
 
 
 def int8_head(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """calibrate.int8's per-channel codes and scales of a random fp16 weight, rows of different ranges."""
-    from calibrate.int8 import quantize_weight_int8
+    """model_zoo.quant.int8's per-channel codes and scales of a random fp16 weight, rows of different ranges."""
+    from model_zoo.quant.int8 import quantize_weight_int8
 
     w = randn(N, K, scale=0.05, seed=seed) * torch.linspace(0.2, 3.0, N, device="cuda", dtype=torch.float16)[:, None]
     return quantize_weight_int8(w)

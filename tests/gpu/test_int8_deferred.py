@@ -13,6 +13,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, po
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
+from kernels_cu import tuning  # noqa: E402
 from kernels_cu.embedding import embedding, embedding_fold  # noqa: E402
 from kernels_cu.int8_gemm import (DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred,  # noqa: E402
                                   int8_gemm_norm, int8_gemm_ref, int8_swiglu, int8_swiglu_norm)
@@ -73,11 +74,10 @@ def test_deferred_static_amax(M):
 
 @pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (64, 4096), (1040, 272), (4096, 40)])
 @pytest.mark.parametrize("residual", [False, True])
-def test_one_row_quantized_in_the_loop_equals_the_prologue(monkeypatch, K, N, residual):
+def test_one_row_quantized_in_the_loop_equals_the_prologue(K, N, residual):
     """int8_gemv_xq1 (one row, quantized tile by tile in the main loop) against int8_gemv_xq (the whole row in a
     prologue) and the reference: the same bits, with the max from partials (C = 1, 32, K / 8, more than a warp's
     lanes), from row_amax and static (below the row's max: codes clamp), and the next norm's fold outputs."""
-    import kernels_cu.int8_gemm as int8_gemm_mod
 
     x = randn(1, K, scale=3.0, seed=K + N)
     x[0, K - 1] = -11.0  # the max in the last tile: the loop reaches it last
@@ -93,9 +93,9 @@ def test_one_row_quantized_in_the_loop_equals_the_prologue(monkeypatch, K, N, re
     for i, xq in enumerate(inputs):
         got = {}
         for loop in (True, False):
-            monkeypatch.setattr(int8_gemm_mod, "XQ_ROW_LOOP", loop)
             fold = FoldOut.new(norm_weight(N, 3), 1, int8=True) if residual and N % 64 == 0 else None
-            y = int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=fold)
+            with tuning.override(xq_row_loop=loop):
+                y = int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=fold)
             got[loop] = (y, fold)
         what = f"K={K} N={N} input {i}"
         assert_equal(got[True][0], got[False][0], what)
@@ -339,10 +339,9 @@ def test_one_row_norm_quantized_in_the_gemv_equals_quantize_fold(K, N, mode):
             assert_equal(row_amax, want.part.amax(dim=1), f"swiglu row max {mode} K={K} C={C}")
 
 
-def test_norm_quant_beyond_one_row_runs_quantize_fold(monkeypatch):
-    """Two rows, or NORM_ROW_LOOP off: quantize_fold first, the same bits; the SwiGLU GEMV refuses to clear the row
+def test_norm_quant_beyond_one_row_runs_quantize_fold():
+    """Two rows, or tuning.norm_row_loop off: quantize_fold first, the same bits; the SwiGLU GEMV refuses to clear the row
     max it accumulates."""
-    import kernels_cu.int8_gemm as int8_gemm_mod
 
     K, N = 1024, 256
     xg, h = randn(2, K, seed=1), randn(2, K, seed=2)
@@ -354,10 +353,9 @@ def test_norm_quant_beyond_one_row_runs_quantize_fold(monkeypatch):
                  "two rows")
     one = NormQuant(xg[:1], mx[:1], sq[:1], EPS)
     want = int8_gemm_norm(one, qweight, w_scale)
-    monkeypatch.setattr(int8_gemm_mod, "NORM_ROW_LOOP", False)
-    assert not one.in_loop()
-    assert_equal(int8_gemm_norm(one, qweight, w_scale), want, "switched off")
-    monkeypatch.setattr(int8_gemm_mod, "NORM_ROW_LOOP", True)
+    with tuning.override(norm_row_loop=False):
+        assert not one.in_loop()
+        assert_equal(int8_gemm_norm(one, qweight, w_scale), want, "switched off")
     buf = torch.zeros(1, device="cuda")
     with pytest.raises(ValueError, match="cannot clear"):
         int8_swiglu_norm(NormQuant(xg[:1], mx[:1], sq[:1], EPS, zero=buf), qweight, w_scale, row_amax=buf)

@@ -1,6 +1,6 @@
 """int8_gemm (GEMV kernel for M <= 16, torch._int_mm + dequant kernel above) against the W8A8 contract.
 
-The epilogue is the same two fp32 roundings as calibrate.int8.int8_gemm_ref, so an exact int32 product
+The epilogue is the same two fp32 roundings as model_zoo.quant.int8.int8_gemm_ref, so an exact int32 product
 shows as bitwise-equal fp16 outputs: every comparison here is assert_equal.
 """
 

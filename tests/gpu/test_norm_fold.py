@@ -95,7 +95,7 @@ def test_fp16_consumer(M, K, N):
 @pytest.mark.parametrize("K,N", [(576, 49152), (4096, 32000)])
 def test_w8a16_consumer(M, K, N):
     """The int8 lm_head takes the final norm deferred, as the fp16 one does."""
-    from calibrate.int8 import quantize_weight_int8
+    from model_zoo.quant.int8 import quantize_weight_int8
 
     _, fold, x64 = folded(M, K, seed=M + K)
     q, s = quantize_weight_int8(randn(N, K, scale=0.05, seed=K + N))

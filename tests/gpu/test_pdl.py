@@ -66,7 +66,7 @@ def _captured(chain) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
 
 
 def _launched_programmatically() -> int:
-    return sum(fn.programmatic_launches for fn in build._state.get("functions", {}).values())
+    return sum(fn.programmatic_launches for fn in build.loaded_functions())
 
 
 @pytest.fixture(autouse=True)

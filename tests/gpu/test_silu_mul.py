@@ -53,16 +53,18 @@ def test_silu_mul_quant_is_bitwise(T, F, static, split):
 
 def test_silu_mul_quant_picks_the_split_for_few_rows(monkeypatch):
     from kernels_cu import silu_mul as mod
+    from kernels_cu import tuning
 
-    gate_up = randn(mod.SPLIT_MAX_ROWS, 2 * 1536, seed=3)
+    rows = tuning.DEFAULT.silu_split_max_rows
+    gate_up = randn(rows, 2 * 1536, seed=3)
     calls = []
     monkeypatch.setattr(mod, "quantize_fold",
                         lambda *a, **k: calls.append(tuple(a[0].shape)) or quantize_fold(*a, **k))
     silu_mul_quant(gate_up)
-    silu_mul_quant(randn(mod.SPLIT_MAX_ROWS + 1, 2 * 1536, seed=4))
-    monkeypatch.setattr(mod, "SPLIT", False)
-    silu_mul_quant(gate_up)
-    assert calls == [(mod.SPLIT_MAX_ROWS, 1536)], calls  # only the first call went through the split
+    silu_mul_quant(randn(rows + 1, 2 * 1536, seed=4))
+    with tuning.override(silu_split_max_rows=0):
+        silu_mul_quant(gate_up)
+    assert calls == [(rows, 1536)], calls  # only the first call went through the split
 
 
 @pytest.mark.parametrize("F", INTERLEAVED_F)

@@ -11,7 +11,7 @@ import torch
 
 from kernels_cu.bench import random_weights
 from kernels_cu.engine import Engine, EngineConfig
-from kernels_cu.profile_engine import decode_timeline
+from kernels_cu.lab.profile_engine import decode_timeline
 from model_zoo.config import LlamaConfig
 from model_zoo.sampling import SamplingConfig
 

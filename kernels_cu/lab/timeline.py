@@ -6,7 +6,7 @@ them. In a chain where each kernel waits for the one before, the step is the sum
 previous kernel's end: that increment is what the kernel costs the step. `critical_path` turns a list of kernel
 intervals (CUPTI's, from torch.profiler's trace) into those increments per kernel name.
 
-    python -m kernels_cu.profile_engine --scheme int8 --tokens 512 --timeline
+    python -m kernels_cu.lab.profile_engine --scheme int8 --tokens 512 --timeline
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU micro-benchmark of the GEMV and decode-attention kernels: `python -m kernels_cu.microbench`.
+"""GPU micro-benchmark of the GEMV and decode-attention kernels: `python -m kernels_cu.lab.microbench`.
 
 Per LLaMA-2-7B shape and M in (1, 8, 16): the kernel's time, the bytes it must move (weights once,
 activations and outputs), GB/s, and the percentage of the device-to-device copy bandwidth measured here
@@ -19,8 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels_cu import awq_wgmma, awq_wgmma_decode, build, int8_wgmma
-from kernels_cu import awq_gemv as awq_gemv_module
+from kernels_cu import awq_wgmma, awq_wgmma_decode, build, int8_wgmma, tuning
 from kernels_cu.attention_decode import attention_decode
 from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
 from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear, awq_packed_dequantize,
@@ -133,11 +132,8 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
     finally:
         int8_wgmma.takes = saved
     # the path the fused GEMM replaced
-    saved_fused, awq_gemv_module.FUSED_PREFILL = awq_gemv_module.FUSED_PREFILL, False
-    try:
+    with tuning.override(awq_fused_prefill=False):
         rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
-    finally:
-        awq_gemv_module.FUSED_PREFILL = saved_fused
     if awq_wgmma.takes(x, awq[0]):  # the fused kernel (awq_linear's prefill path on Hopper)
         rows.append(row("awq wgmma", time_graph(lambda i: awq_wgmma.launch(x, awq[i], None, None), nc),
                         awq[0].nbytes()))

@@ -1,8 +1,8 @@
 """Quantized Linear layers of the reference backend: the exact numerics the GPU kernels implement.
 
 Int8Linear: W8A8; activations quantized per token or with one calibrated amax, exact int32 GEMM,
-fp32 dequant epilogue (calibrate/int8.py). AwqLinear: W4A16; the weight is dequantized as (q - z) * s in the
-activation dtype and multiplied densely (calibrate/awq_pack.py). Both implement model_zoo.linear.Linear.
+fp32 dequant epilogue (model_zoo/quant/int8.py). AwqLinear: W4A16; the weight is dequantized as (q - z) * s in the
+activation dtype and multiplied densely (model_zoo/quant/awq_pack.py). Both implement model_zoo.linear.Linear.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from calibrate.awq_pack import check_awq_shape, dequantize_awq, quantize_awq
-from calibrate.int8 import ActQuant, dequantize_weight_int8, int8_linear_ref, quantize_weight_int8
 from model_zoo.errors import ConfigError
+from model_zoo.quant.awq_pack import check_awq_shape, dequantize_awq, quantize_awq
+from model_zoo.quant.int8 import ActQuant, dequantize_weight_int8, int8_linear_ref, quantize_weight_int8
 
 __all__ = ["ActQuant", "Int8Linear", "AwqLinear"]
 

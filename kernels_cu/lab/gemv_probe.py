@@ -1,7 +1,7 @@
 """Each decode GEMV of the LLaMA-2-7B shapes once, inside an NVTX range "probe", for Nsight Compute:
 
     ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight ... \\
-        python -m kernels_cu.gemv_probe [--ms 1] [--only awq,int8,fp16]
+        python -m kernels_cu.lab.gemv_probe [--ms 1] [--only awq,int8,fp16]
 
 Warm-up calls (compilation, caches of code) run outside the range, so only the measured launches are profiled;
 ncu flushes the L2 before each, so the weights come from DRAM as in the engine (the microbench's rotation of
@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from kernels_cu.microbench import SHAPES_7B, decode_gemv
+from kernels_cu.lab.microbench import SHAPES_7B, decode_gemv
 
 SWIGLU = "gate|up"  # the engine runs this shape with the SwiGLU epilogue (fp16 and awq)
 

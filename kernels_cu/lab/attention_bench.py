@@ -1,4 +1,4 @@
-"""Decode-attention timings: `python -m kernels_cu.attention_bench [--ctx 576,2048] [--batch 1,8,32]`.
+"""Decode-attention timings: `python -m kernels_cu.lab.attention_bench [--ctx 576,2048] [--batch 1,8,32]`.
 
 LLaMA-2-7B attention (32 heads, 32 KV heads, head_dim 128 unless told), cache capacity --cap positions
 (the engine allocates max_len + 1), every row at length ctx. Per variant, microseconds per call from
@@ -20,19 +20,16 @@ import argparse
 import torch
 
 from kernels_cu import attention_decode as ad
-from kernels_cu import build
-from kernels_cu.microbench import copies_for, copy_bandwidth, time_graph
+from kernels_cu import build, tuning
+from kernels_cu.lab.microbench import copies_for, copy_bandwidth, time_graph
 from kernels_cu.quantize import quantize
 
 
 def without_clusters(fn):
-    """fn with attention_decode.CLUSTERS off while it runs (graph capture included)."""
+    """fn with tuning.attention_clusters off while it runs (graph capture included)."""
     def run(i):
-        saved, ad.CLUSTERS = ad.CLUSTERS, False
-        try:
+        with tuning.override(attention_clusters=False):
             return fn(i)
-        finally:
-            ad.CLUSTERS = saved
     return run
 
 

@@ -15,11 +15,11 @@ from typing import Any, Mapping
 
 import torch
 
-from calibrate.int8 import QMAX, ActQuant
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.linear import DenseLinear, Linear
-from model_zoo.quantized_linear import AwqLinear, Int8Linear
+from model_zoo.quant.int8 import QMAX, ActQuant
+from model_zoo.quant.linear import AwqLinear, Int8Linear
 from model_zoo.weights import LinearFactory, ModelWeights, dense_factory
 
 INT8_FORMATS = ("int-quantized", "naive-quantized")  # the same storage for 8-bit int weights

@@ -1,5 +1,5 @@
 """Where the engine's time goes: torch.profiler (CUPTI sees PyCUDA's kernels too) over a prefill and a few
-graph-replayed decode steps on random weights.   python -m kernels_cu.profile_engine --scheme int8 --tokens 2048
+graph-replayed decode steps on random weights.   python -m kernels_cu.lab.profile_engine --scheme int8 --tokens 2048
 With --timeline, the decode steps' critical path instead (timeline.py: what each kernel adds to the step when
 programmatic launch overlaps them, which a table of durations overcounts)."""
 
@@ -13,7 +13,7 @@ import torch
 
 from kernels_cu.bench import random_weights
 from kernels_cu.engine import Engine, EngineConfig, GpuCache
-from kernels_cu.timeline import Timeline, critical_path, format_timeline, kernels_from_trace
+from kernels_cu.lab.timeline import Timeline, critical_path, format_timeline, kernels_from_trace
 from model_zoo.config import LlamaConfig
 from model_zoo.sampling import SamplingConfig
 

@@ -1,4 +1,4 @@
-"""Where a decode-attention launch spends its time: `python -m kernels_cu.attention_probe [--ctx 576]`.
+"""Where a decode-attention launch spends its time: `python -m kernels_cu.lab.attention_probe [--ctx 576]`.
 
 Builds attention_decode.cu with -DFLLAMA_ATTN_PROBE (thread 0 of every fused block stamps %globaltimer at its
 phases; the engine's build never has it) and prints, per phase, when the blocks reach it, in us after the

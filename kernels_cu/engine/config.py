@@ -1,0 +1,33 @@
+"""EngineConfig: what a user chooses about the GPU engine (the knobs of its kernels are in kernels_cu/tuning.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model_zoo.errors import DeviceError
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
+
+
+def bucket_of(batch: int) -> int:
+    """The decode bucket a batch of `batch` rows runs in."""
+    if batch > BUCKETS[-1]:
+        raise DeviceError(f"batch {batch} is above the engine's largest bucket {BUCKETS[-1]}")
+    return next(b for b in BUCKETS if b >= batch)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_len: int = 4096  # KV positions per row, capped at the model's context
+    use_graphs: bool = True
+    prefill_graphs: bool = True  # a repeated short prefill shape replays a graph (tuning.prefill_graph_tokens)
+    kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
+    fold_norms: bool = True  # small decode batches defer their RMSNorms into the GEMVs (engine/plan.py)
+    fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
+    # int8 decode of a few rows with dynamic activations: the SwiGLU in the gate|up GEMV's epilogue, and o_proj /
+    # down_proj quantizing their inputs themselves (int8_gemm.DeferredQuant; the same bits)
+    defer_int8_quant: bool = True
+    # the lm_head as int8 codes with an fp32 scale per vocabulary row (made at load from the fp16 head): what a
+    # decode step reads of it halves. Its cost in quality is in docs/quality.md; off by default, since the
+    # checkpoint's fp16 head is what other engines run
+    lm_head_int8: bool = False

@@ -1,0 +1,129 @@
+"""Every knob of the kernels and the engine: one frozen dataclass, each field with the reason for its value.
+
+An engine carries its Tuning (Engine(weights, cfg, tuning)) and puts it in force around everything it runs, so
+the launchers it calls read the same one (`current()`); outside an engine the defaults are in force. A/B tools
+build an engine with another Tuning (`Engine.variant`); tests of one launcher use `active(...)`. Kernel limits
+(tile sizes, what a kernel was compiled for) are not knobs and stay beside their launchers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Tuning:
+    # -- the decode step's plan (kernels_cu/engine/plan.py) --
+    # fp16 decode steps up to this many rows defer their RMSNorms into the GEMVs (norm_fold.py): each consumer
+    # GEMV's blocks pay for the reduction, which costs more than the norm kernels it saves beyond 8 rows.
+    fold_max_rows_fp16: int = 8
+    # AWQ likewise up to 4 rows: the int4 GEMVs' blocks are busier, so the reduction wins only at fewer rows.
+    fold_max_rows_awq: int = 4
+    # int8 decode steps defer their norms too (o_proj / down_proj write the next norm's inputs): one kernel fewer
+    # per norm. Off only to compare rounding with the plain norm kernels (the deferred norm rounds differently).
+    fold_int8: bool = True
+    # int8 decode steps of up to this many rows defer the o_proj / down_proj input quantizations into those GEMVs
+    # (dynamic activations): every block re-reads and quantizes the whole rows, so only one row gains.
+    defer_quant_max_rows: int = 1
+    # In such a step, o_proj quantizes attention's output itself (from each unit's max) instead of attention.
+    defer_attention: bool = True
+    # ... and down_proj quantizes the SwiGLU it gets from the gate|up GEMV's epilogue.
+    defer_swiglu: bool = True
+    # The SwiGLU GEMV writes each row's max (an atomic max) so down_proj's blocks read one float, not every
+    # partial max from the same L2 lines at once.
+    swiglu_row_amax: bool = True
+    # Up to this many rows an int8 gate|up GEMV applies the SwiGLU in its epilogue and quantize_fold quantizes it:
+    # one kernel fewer; at 16 rows the two-tile GEMV's longer epilogue costs more than the kernel saved (0: never).
+    swiglu_int8_rows: int = 8
+    # Up to this many rows the int8 step's quantize_fold lets the next GEMV launch before its own wait, so the
+    # GEMV's weight prefetch runs under the producer's tail (0: never); beyond 8 rows the early launch costs.
+    quant_fold_early_rows: int = 8
+    # -- prefill graphs (kernels_cu/engine/graphs.py) --
+    # A prefill of up to this many tokens (rows x length) is host-bound when eager (~25-80 us of host work a
+    # kernel), so a shape seen twice is captured and replayed; longer prefills are GPU-bound and stay eager.
+    prefill_graph_tokens: int = 1024
+    # Each captured prefill keeps its own activation memory: keep only the most recently used few.
+    prefill_graphs: int = 2
+    # -- decode attention (attention_decode.py) --
+    # Combine the split-sequence partials inside a thread-block cluster (distributed shared memory) on GPUs that
+    # have clusters, instead of through a global workspace and a second pass.
+    attention_clusters: bool = True
+    # -- AWQ int4 linears (awq_gemv.py, awq_batch.py, awq_wgmma_decode.py, awq_gemm.py) --
+    # Above this many rows the GEMV family re-reads the weight too often: dequantize once and use a GEMM.
+    awq_gemv_max_m: int = 64
+    # From this many rows the batch GEMM's panels share the activations through shared memory (awq_batch.cu),
+    # cheaper than the GEMV's per-warp reads.
+    awq_batch_min_m: int = 17
+    # From this many rows on Hopper with groups of 128, the same on wgmma (awq_wgmma_decode.cu): its fragments are
+    # converted once for all tokens; at 17-31 rows the conversion does not pay yet.
+    awq_wgmma_decode_min_m: int = 32
+    # Above awq_gemv_max_m on Hopper with groups of 128: the fused wgmma GEMM (as fast as cuBLAS fp16 and no w_hat
+    # pass) instead of dequantize + cuBLAS.
+    awq_fused_prefill: bool = True
+    # One-row-tile GEMV warps per panel: 2-warp blocks where their one wave holds at least this many warps a SM
+    # (a sparser wave leaves bandwidth unused; above 16: never).
+    awq_two_warp_min_warps: int = 11
+    # 1-warp blocks (one wave of them, no cross-warp reduction) only from this many rows: fewer rows leave each
+    # warp too little math to hide its loads (above 8: never).
+    awq_one_warp_min_rows: int = 8
+    # Otherwise 8-warp blocks up to this many waves of 4-warp blocks, 4 warps beyond (large grids need no width).
+    awq_wide_waves: float = 1.5
+    # The AutoAWQ-layout GEMV (awq_gemm.cu) up to this many rows, then dequantize + cuBLAS.
+    awq_gemm_max_m: int = 64
+    # K splits of the batch GEMM: as many as keep the grid within this many blocks a SM (fills the SMs at 32
+    # tokens: q|k|v 2 splits, o / down 4, gate|up 1) ...
+    awq_batch_blocks_per_sm: int = 3
+    # ... at most this many (each split adds a partial sum to reduce) ...
+    awq_batch_max_splits: int = 4
+    # ... each at least this many 128-k tiles (fewer leave the ring's pipeline no room to fill).
+    awq_batch_min_tiles_per_split: int = 4
+    # The wgmma decode GEMM's splits likewise: 1.5 waves of the two resident blocks its registers allow ...
+    awq_wgmma_decode_blocks_per_sm: int = 3
+    # ... at most this many splits ...
+    awq_wgmma_decode_max_splits: int = 4
+    # ... each at least this many 128-k tiles.
+    awq_wgmma_decode_min_tiles_per_split: int = 4
+    # -- int8 GEMVs (int8_gemm.py) --
+    # One row is quantized in the deferred GEMV's main loop, tile by tile, not in a prologue every block runs
+    # behind a barrier before its first mma (the same codes).
+    xq_row_loop: bool = True
+    # One row of an int8 deferred RMSNorm is quantized by the GEMV after it, from the producer's partials, not by
+    # a quantize_fold kernel in between (the same codes).
+    norm_row_loop: bool = True
+    # -- SwiGLU (silu_mul.py) --
+    # Up to this many rows the int8 SwiGLU spreads each row over blocks: one block per row would leave all but a
+    # few SMs idle (0: never).
+    silu_split_max_rows: int = 64
+    # -- the int8 lm_head (fp16_gemv.py) --
+    # Up to this many rows the int8-weight GEMV: a panel's 16-row tiles read the weight from DRAM about once;
+    # dequantizing the head for cuBLAS each step would move more bytes than it saves.
+    w8a16_gemv_max_m: int = 64
+
+
+DEFAULT = Tuning()
+_CURRENT: ContextVar[Tuning] = ContextVar("fllama_tuning", default=DEFAULT)
+
+
+def current() -> Tuning:
+    """The Tuning in force: the running engine's, or DEFAULT."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def active(tuning: Tuning) -> Iterator[Tuning]:
+    """Put `tuning` in force for the launches inside the block (an engine does this around each of its calls)."""
+    token = _CURRENT.set(tuning)
+    try:
+        yield tuning
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextmanager
+def override(**changes: object) -> Iterator[Tuning]:
+    """The Tuning in force with some fields changed, for the block (tests and lab tools of one launcher)."""
+    with active(replace(current(), **changes)) as t:
+        yield t

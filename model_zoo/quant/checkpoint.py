@@ -1,0 +1,68 @@
+"""A loaded checkpoint -> ModelWeights or a description of it, and the int8 lm_head's rounding as values
+(for the CPU reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from model_zoo.load import load_model
+from model_zoo.quant.formats import Scheme, load_quantized_weights, scheme_of
+from model_zoo.quant.int8 import dequantize_weight_int8, quantize_weight_int8
+from model_zoo.weights import ModelWeights
+
+
+def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu") -> ModelWeights:
+    """ModelWeights for a loaded checkpoint, quantized linears included, on `device` in `dtype`."""
+    qcfg = loaded.meta.get("quantization_config")
+    if scheme_of(qcfg) == Scheme.FP16:
+        weights = ModelWeights.from_state_dict(loaded.config, loaded.state_dict, meta={"scheme": "fp16"})
+    else:
+        weights = load_quantized_weights(loaded.config, loaded.state_dict, qcfg, dtype)
+    return weights.to(device, dtype)
+
+
+def int8_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] through the int8 lm_head's codes and scales (model_zoo.quant.int8, one scale per row) and back."""
+    return dequantize_weight_int8(*quantize_weight_int8(w), dtype=w.dtype)
+
+
+def describe_model(source: str | None, random: bool = False) -> dict:
+    """What `source` is: architecture, sizes, scheme and stored bytes, tokenizer, chat template (JSON-ready)."""
+    loaded = load_model(source, random=random)
+    c = loaded.config
+    qcfg = loaded.meta.get("quantization_config")
+    weights = build_weights(loaded, torch.float16)
+    tok = loaded.tokenizer
+    fl = loaded.meta.get("fllama") or {}
+    info = {
+        "source": loaded.source,
+        "kind": loaded.kind,
+        "architecture": "llama",
+        "name": c.name,
+        "layers": c.n_layers,
+        "hidden_size": c.hidden_size,
+        "heads": c.n_heads,
+        "kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "ffn_size": c.ffn_size,
+        "vocab_size": c.vocab_size,
+        "context": c.max_positions,
+        "rope_theta": c.rope_theta,
+        "tied_embeddings": c.tie_embeddings,
+        "parameters": c.n_params(),
+        "scheme": scheme_of(qcfg).value,
+        "stored_dtype": loaded.meta.get("dtype"),
+        "weight_bytes": weights.nbytes(),
+        "quantization_config": qcfg,
+        "calibrator": fl.get("calibrator"),
+        "group_size": (qcfg or {}).get("group_size"),
+        "tokenizer": type(tok).__name__ + (f" ({tok.kind})" if hasattr(tok, "kind") else ""),
+        "bos_id": tok.bos_id,
+        "eos_ids": sorted(tok.eos_ids),
+        "chat_template": tok.chat_template is not None,
+    }
+    if loaded.meta.get("gguf_file_type") is not None:
+        info["gguf_file_type"] = loaded.meta["gguf_file_type"]
+    return info
