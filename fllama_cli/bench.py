@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from fllama_cli.options import JsonOpt, ModelArg, RandomOpt, SeedOpt
-from model_zoo.errors import ConfigError, DeviceError
+from model_zoo.errors import ConfigError
 
 
 class Baseline(str, Enum):
@@ -53,74 +50,19 @@ def bench_cmd(
 ) -> None:
     """Measure the GPU engine: copy bandwidth, then per scheme and batch size prefill tokens/s, time to first
     token, decode tokens/s, ms per token (median, p90), effective GB/s and % of the measured bandwidth, peak
-    memory, and the same shapes under torch.compile as the baseline."""
-    from kernels_cu.bench import SCHEMES, BenchConfig, bench_baseline, bench_engine, copy_bandwidth, random_weights
-    from kernels_cu.build import device_info, pdl_supported, require_cuda
+    memory, and the same shapes under torch.compile as the baseline.
 
-    if not torch.cuda.is_available():
-        raise DeviceError("fllama bench needs an NVIDIA GPU (none is visible to PyTorch)")
-    require_cuda()
-    if pdl is not None:
-        os.environ["FLLAMA_PDL"] = "1" if pdl else "0"  # read by kernels_cu.build at each launch
-    source = model_opt or model
-    schemes = tuple(s.strip() for s in scheme.split(",") if s.strip())
-    for s in schemes:
-        if s not in SCHEMES:
-            raise ConfigError(f"unknown scheme {s!r}; schemes: {', '.join(SCHEMES)}")
-    cfg = BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len, repeat=repeat,
-                      group_size=group_size)
+    Example: fllama bench --model llama2-7b --random --scheme fp16,awq --batch 1,8"""
+    from kernels_cu.bench import BenchConfig
+    from kernels_cu.bench_suite import BenchRequest, run_bench
+
+    req = BenchRequest(source=model_opt or model, schemes=tuple(s.strip() for s in scheme.split(",") if s.strip()),
+                       cfg=BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len,
+                                       repeat=repeat, group_size=group_size),
+                       baseline=baseline == Baseline.torch, random=random, seed=seed or 0, pdl=pdl,
+                       fold_norms=fold_norms, fuse_rope=fuse_rope, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
     err = Console(stderr=True, highlight=False)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    info = device_info()
-    bw = copy_bandwidth(dev)
-    err.print(f"[dim]{info['name']} · driver {info.get('driver_version')} · copy bandwidth {bw / 1e12:.2f} TB/s[/]")
-
-    from kernels_cu.engine import Engine, EngineConfig
-    from model_zoo.load import load_model
-    from model_zoo.quant.checkpoint import build_weights
-
-    rows, base_rows = [], {}
-    config = None
-    for s in schemes:
-        if random:
-            from model_zoo.config import LlamaConfig
-            config = LlamaConfig.from_name(source or "llama2-7b")
-            weights = random_weights(config, s, dev, seed or 0, group_size)
-        else:
-            loaded = load_model(source)
-            config = loaded.config
-            weights = build_weights(loaded, torch.float16, "cpu")
-            if s != weights.meta.get("scheme", "fp16"):
-                raise ConfigError(f"{loaded.source} is a {weights.meta.get('scheme')} checkpoint; give --scheme "
-                                  f"{weights.meta.get('scheme')} or use --random for other schemes")
-        engine = Engine(weights, EngineConfig(max_len=prompt_len + gen_len + 1, fold_norms=fold_norms,
-                                                 fuse_rope=fuse_rope, kv_int8=kv_int8,
-                                                 lm_head_int8=lm_head_int8 and s != "fp16"))
-        for b in cfg.batches:
-            err.print(f"[dim]engine {s} batch {b} ...[/]")
-            rows.append({"scheme": s, **bench_engine(engine, b, cfg, bw)})
-        if s == "fp16" and baseline == Baseline.torch:
-            for b in cfg.batches:
-                err.print(f"[dim]baseline torch.compile batch {b} (compiles first) ...[/]")
-                base_rows[b] = bench_baseline(weights, b, cfg)
-        del engine, weights
-        torch.cuda.empty_cache()
-    if baseline == Baseline.torch and not base_rows:
-        fp16 = random_weights(config, "fp16", dev, seed or 0) if random else build_weights(load_model(source), torch.float16, "cuda")
-        for b in cfg.batches:
-            base_rows[b] = bench_baseline(fp16, b, cfg)
-    for r in rows:
-        base = base_rows.get(r["batch"])
-        if base:
-            r["baseline_decode_tok_s"] = base["decode_tok_s"]
-            r["baseline_prefill_tok_s"] = base["prefill_tok_s"]
-            r["speedup_decode"] = r["decode_tok_s"] / base["decode_tok_s"]
-            r["speedup_prefill"] = r["prefill_tok_s"] / base["prefill_tok_s"]
-    meta = {"gpu": info["name"], "driver": info.get("driver_version"), "date": datetime.date.today().isoformat(),
-            "model": source or "llama2-7b", "random": random, "copy_bandwidth_tb_s": bw / 1e12,
-            "prompt_len": prompt_len, "gen_len": gen_len, "repeat": repeat, "baseline": base_rows,
-            "programmatic_launch": pdl_supported(), "fold_norms": fold_norms,
-            "fuse_rope": fuse_rope, "kv_int8": kv_int8, "lm_head_int8": lm_head_int8}
+    rows, meta = run_bench(req, lambda msg: err.print(f"[dim]{msg}[/]"))
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:
