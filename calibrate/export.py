@@ -14,8 +14,9 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from model_zoo.errors import FllamaError
-from model_zoo.quant.formats import export_tensors_linear
+from calibrate.outputs import OutputKind, check_replaceable, set_ordinary_mode, temp_prefix
+from model_zoo.config import LlamaConfig
+from model_zoo.quant.formats import Scheme, export_tensors_linear
 from model_zoo.weights import LINEAR_NAMES, ModelWeights
 
 FORMAT_VERSION = 1
@@ -38,15 +39,23 @@ def checkpoint_tensors(weights: ModelWeights, dtype: torch.dtype = torch.float16
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
+def checkpoint_bytes(config: LlamaConfig, scheme: Scheme, group_size: int | None = None) -> int:
+    """About what write_checkpoint writes (within a few per cent): fp16 embeddings and norms, the linears as the
+    scheme stores them (int8 codes + a scale per row; int4 + a scale and a zero per group)."""
+    linear = config.n_params() - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
+    rest = config.n_params() - linear
+    per_weight = {Scheme.INT8: 1.0, Scheme.AWQ: 0.5 + 2.5 / (group_size or 128)}.get(scheme, 2.0)
+    return int(2 * rest + per_weight * linear) + 2**20  # + configs and tokenizer files
+
+
 def write_checkpoint(outdir: str | os.PathLike, weights: ModelWeights, tokenizer: Any,
                      quantization_config: Mapping[str, Any] | None, fllama_meta: Mapping[str, Any],
                      force: bool = False, shard_bytes: int = SHARD_BYTES) -> Path:
     out = Path(outdir)
-    if out.exists() and not force:
-        raise FllamaError(f"{out} already exists; use --force to replace it")
+    if out.exists() or out.is_symlink():
+        check_replaceable(out, OutputKind.CHECKPOINT, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temp_prefix(out), suffix=".tmp"))
     try:
         tensors = checkpoint_tensors(weights)
         _write_shards(tmp, tensors, shard_bytes)
@@ -59,19 +68,28 @@ def write_checkpoint(outdir: str | os.PathLike, weights: ModelWeights, tokenizer
         _write_json(tmp / "generation_config.json", gen)
         tokenizer.save(tmp)
         _write_json(tmp / META_FILE, {"format_version": FORMAT_VERSION, **fllama_meta})
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        for path in (tmp, *tmp.rglob("*")):  # a checkpoint is meant to be shared: no private files
+            set_ordinary_mode(path)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory to `out`; an existing checkpoint is moved aside first and removed after."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    aside = out.with_name(temp_prefix(out) + "old.tmp")  # put back by the next run if this one is killed
+    os.replace(out, aside)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(aside, out)
+        raise
+    shutil.rmtree(aside)
 
 
 def _write_shards(d: Path, tensors: dict[str, torch.Tensor], shard_bytes: int) -> None:

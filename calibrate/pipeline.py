@@ -4,7 +4,7 @@ model source -> weights -> calibration windows -> layer-by-layer capture or quan
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,21 +12,24 @@ import torch
 
 from calibrate.calibration import DataConfig, calibrate_model, calibration_windows
 from calibrate.capture import CaptureConfig, capture_stats
-from calibrate.export import write_checkpoint
+from calibrate.export import checkpoint_bytes, write_checkpoint
 from calibrate.methods import CalibConfig
+from calibrate.outputs import OutputKind, check_free_space, prepare_output
 from calibrate.quantize import AwqMethod, QuantConfig, quantization_config_for, quantize_awq, quantize_int8
 from calibrate.stats import CalibStats, PointStats, fllama_version
+from model_zoo.backend import check_token_ids
 from model_zoo.errors import ConfigError, DeviceError
 from model_zoo.load import load_model
 from model_zoo.quant.checkpoint import build_weights
 from model_zoo.quant.formats import Scheme
-from model_zoo.quant.int8 import ActQuant
 from model_zoo.weights import ModelWeights
 
 # progress(layer, n_layers, tokens): `tokens` more of `layer` captured; once with tokens=0 as the capture starts
 CaptureProgress = Callable[[int, int, int], None]
 # progress(stage, done, total): e.g. "quantize layers" 3 of 30, or "re-capture (smoothed)" in tokens
 QuantizeProgress = Callable[[str, int, int], None]
+# note(text): a choice made for the user or something found on the way (a stale temporary removed)
+Notice = Callable[[str], None]
 RECAPTURE = "re-capture (smoothed)"
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -41,6 +44,16 @@ def torch_device(choice: str) -> str:
 def _check_device(device: str) -> None:
     if device not in DEVICES:
         raise ConfigError(f"unknown device {device!r}; devices: {', '.join(DEVICES)}")
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value  # `value or default` would take --samples 0 for "not given"
+
+
+def _notify(note: Notice | None, lines: list[str]) -> None:
+    for line in lines:
+        if note:
+            note(line)
 
 
 def capture_config(batch: int, device: str) -> CaptureConfig:
@@ -64,11 +77,13 @@ class CalibrateJob:
         _check_device(self.device)
 
 
-def run_calibrate(job: CalibrateJob, progress: CaptureProgress | None = None) -> CalibStats:
+def run_calibrate(job: CalibrateJob, progress: CaptureProgress | None = None,
+                  note: Notice | None = None) -> CalibStats:
     """Capture activation statistics over the job's text and save them to job.output; returns them."""
+    _notify(note, prepare_output(job.output, OutputKind.FILE, job.force))  # before the work, not after it
     dev = torch_device(job.device)  # capture runs in torch: a GPU helps even without the PyCUDA engine
     loaded = load_model(job.model, random=job.random, seed=job.seed)
-    windows = calibration_windows(loaded.tokenizer, job.data, loaded.config.max_positions)  # [samples, seq_len]
+    windows = _windows(loaded, job.data)  # [samples, seq_len]
     weights = build_weights(loaded, torch.float32, "cpu")  # stays on the host; layers visit the device
     cap = capture_config(job.batch, dev)
     n_layers = loaded.config.n_layers
@@ -103,6 +118,13 @@ class QuantizeJob:
         if self.quant.needs_stats and self.stats is None:
             raise ConfigError("--act static and --smooth need calibration stats: run `fllama calibrate -o "
                               "stats.safetensors` and pass --stats stats.safetensors")
+        if self.stats is not None and not self.quant.needs_stats:
+            raise ConfigError("--stats is read by --scheme int8 with --act static or --smooth only; it does "
+                              "nothing here")
+        given = [f"--{n.replace('_', '-')}" for n in ("data", "samples", "seq_len") if getattr(self, n) is not None]
+        if given and not self.quant.reads_text:
+            raise ConfigError(f"{', '.join(given)}: no calibration text is read here (only the AWQ search and "
+                              "--act static with --smooth run the model on text)")
 
 
 @dataclass(frozen=True)
@@ -114,18 +136,24 @@ class QuantizeResult:
     device: str
 
 
-def run_quantize(job: QuantizeJob, progress: QuantizeProgress | None = None) -> QuantizeResult:
+def run_quantize(job: QuantizeJob, progress: QuantizeProgress | None = None,
+                 note: Notice | None = None) -> QuantizeResult:
     """Quantize q, k, v, o, gate, up and down of job.model and write the checkpoint to job.output."""
+    _notify(note, prepare_output(job.output, OutputKind.CHECKPOINT, job.force))  # fails now, not after the work
     loaded = load_model(job.model, random=job.random, seed=job.seed)
     if loaded.meta.get("quantization_config"):
         raise ConfigError(f"{loaded.source} is already quantized; quantize an unquantized model")
+    quant, chosen = job.quant.with_group_size(loaded.config)
+    job = replace(job, quant=quant)
+    _notify(note, [chosen] if chosen else [])
+    check_free_space(job.output, checkpoint_bytes(loaded.config, quant.scheme, quant.group_size))
     stats = CalibStats.load(job.stats) if job.stats is not None else None
     if stats is not None:
         stats.check_model(loaded.config, check_name=False)
     sm = stats.meta if stats is not None else {}
     # the windows default to the stats' own, so a re-capture sees the text the ranges came from
-    data = DataConfig(source=job.data or sm.get("source", "gutenberg:history"),
-                      samples=job.samples or sm.get("samples", 128), seq_len=job.seq_len or sm.get("seq_len", 512))
+    data = DataConfig(source=_given(job.data, sm.get("source", "gutenberg:history")),
+                      samples=_given(job.samples, sm.get("samples", 128)), seq_len=_given(job.seq_len, sm.get("seq_len", 512)))
     dev = torch_device(job.device)
     cap = capture_config(job.batch, dev)
     weights = build_weights(loaded, torch.float32, "cpu")
@@ -155,7 +183,9 @@ def _quantize(job: QuantizeJob, weights: ModelWeights, loaded: Any, stats: Calib
 
 
 def _windows(loaded: Any, data: DataConfig) -> torch.Tensor:
-    return calibration_windows(loaded.tokenizer, data, loaded.config.max_positions)  # [samples, seq_len]
+    windows = calibration_windows(loaded.tokenizer, data, loaded.config.max_positions)  # [samples, seq_len]
+    check_token_ids(windows, loaded.config.vocab_size, "the calibration text")
+    return windows
 
 
 def _recapturer(loaded: Any, data: DataConfig, stats: CalibStats | None, cap: CaptureConfig,
@@ -182,8 +212,7 @@ def checkpoint_meta(job: QuantizeJob, source: str, stats: CalibStats | None, dat
                     report: dict) -> dict:
     """fllama_meta.json: how the checkpoint was made (the options, the stats, the calibration text)."""
     cfg, sm = job.quant, (stats.meta if stats is not None else {})
-    used_text = ((cfg.scheme == Scheme.AWQ and cfg.awq_method == AwqMethod.AWQ)
-                 or (cfg.smooth is not None and cfg.act == ActQuant.STATIC))
+    used_text = cfg.reads_text
     meta = {**cfg.describe(), "source": source,
             "stats": {"path": str(job.stats), "source": sm.get("source"), "samples": sm.get("samples"),
                       "seq_len": sm.get("seq_len"), "model": sm.get("model")} if stats else None,

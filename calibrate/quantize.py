@@ -9,12 +9,13 @@ from typing import Callable
 
 import torch
 
-from calibrate.awq import AwqConfig, apply_awq, check_group_size, search_layer
+from calibrate.awq import AwqConfig, LayerInput, apply_awq, check_group_size, search_layer, valid_group_sizes
 from calibrate.capture import CaptureConfig, LayerwiseRunner
 from calibrate.methods import CalibConfig, CalibMethod
 from calibrate.ranges import compute_amax
 from calibrate.smoothquant import apply_smoothing
 from calibrate.stats import CalibStats, PointStats
+from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
 from model_zoo.quant.formats import Scheme, amax_as_stored, awq_quantization_config, int8_quantization_config
 from model_zoo.quant.int8 import ActQuant
@@ -31,27 +32,69 @@ class AwqMethod(str, Enum):
     RTN = "rtn"  # plain round-to-nearest per group (the baseline AWQ must beat)
 
 
+# AWQ group sizes the kernels are built for, largest (smallest file) first: the default is the first that fits
+AWQ_GROUP_SIZES = (128, 64, 32)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
+    """None means "not given": where the option applies it takes its default (below), where it does not apply
+    giving it is an error, never silently ignored."""
+
     scheme: Scheme
     act: ActQuant = ActQuant.DYNAMIC
-    calibrator: CalibMethod = CalibMethod.PERCENTILE
-    percentile: float = 99.99
+    calibrator: CalibMethod | None = None  # --act static: mse, the best static ranges in docs/quality.md
+    percentile: float | None = None  # --calibrator percentile: 99.99
     smooth: float | None = None  # SmoothQuant alpha
-    group_size: int = 128
-    awq_method: AwqMethod = AwqMethod.AWQ
+    group_size: int | None = None  # awq: the largest of AWQ_GROUP_SIZES that fits the model (with_group_size)
+    awq_method: AwqMethod | None = None  # awq: the search
 
     def __post_init__(self) -> None:
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
             raise ConfigError(f"--smooth must be in [0, 1], got {self.smooth}")
         if self.scheme != Scheme.INT8 and (self.smooth is not None or self.act == ActQuant.STATIC):
             raise ConfigError("--smooth and --act static apply to --scheme int8 only")
-        if self.group_size < 1:
+        static, awq = self.act == ActQuant.STATIC, self.scheme == Scheme.AWQ
+        if self.calibrator is not None and not static:
+            raise ConfigError("--calibrator chooses the ranges of --act static; it does nothing without it")
+        calibrator = self.calibrator or (CalibMethod.MSE if static else None)
+        if self.percentile is not None and calibrator != CalibMethod.PERCENTILE:
+            raise ConfigError("--percentile applies to --act static --calibrator percentile only")
+        if not awq and (self.group_size is not None or self.awq_method is not None):
+            raise ConfigError(f"--{'group-size' if self.group_size is not None else 'method'} applies to "
+                              f"--scheme awq only, not {self.scheme.value}")
+        if self.group_size is not None and self.group_size < 1:
             raise ConfigError(f"--group-size must be positive, got {self.group_size}")
+        object.__setattr__(self, "calibrator", calibrator)
+        if calibrator == CalibMethod.PERCENTILE and self.percentile is None:
+            object.__setattr__(self, "percentile", 99.99)
+        if awq and self.awq_method is None:
+            object.__setattr__(self, "awq_method", AwqMethod.AWQ)
+
+    def with_group_size(self, config: LlamaConfig) -> tuple["QuantConfig", str | None]:
+        """AWQ without a group size: the largest of AWQ_GROUP_SIZES dividing every layer's input size, and a
+        note saying so (None when nothing was chosen)."""
+        if self.scheme != Scheme.AWQ or self.group_size is not None:
+            return self, None
+        fits = [g for g in AWQ_GROUP_SIZES if g in valid_group_sizes(config)]
+        if not fits:
+            raise ConfigError(f"none of the AWQ group sizes {', '.join(map(str, AWQ_GROUP_SIZES))} divides every "
+                              f"input size of this model; give --group-size (sizes that do: "
+                              f"{', '.join(map(str, valid_group_sizes(config)))})")
+        note = (f"AWQ group size {fits[0]}: the largest of {', '.join(map(str, AWQ_GROUP_SIZES))} that divides "
+                f"every layer of this model (--group-size chooses another)")
+        return replace(self, group_size=fits[0]), note
 
     @property
     def needs_stats(self) -> bool:
         return self.scheme == Scheme.INT8 and (self.act == ActQuant.STATIC or self.smooth is not None)
+
+    @property
+    def reads_text(self) -> bool:
+        """Whether quantizing runs the model on calibration text: the AWQ search, or the re-capture of static
+        ranges after SmoothQuant."""
+        return ((self.scheme == Scheme.AWQ and self.awq_method == AwqMethod.AWQ)
+                or (self.smooth is not None and self.act == ActQuant.STATIC))
 
     def describe(self) -> dict:
         d = {"scheme": self.scheme.value}
@@ -90,7 +133,9 @@ def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | N
     points = None
     if cfg.act == ActQuant.STATIC:
         points = recapture(smoothed) if cfg.smooth is not None else stats.points
-    calib = CalibConfig(method=cfg.calibrator, percentile=cfg.percentile)
+    calib = None
+    if points is not None:  # the percentile is set only for the percentile calibrator
+        calib = CalibConfig(method=cfg.calibrator, **({} if cfg.percentile is None else {"percentile": cfg.percentile}))
     out = []
     for i, layer in enumerate(layers):
         amax = {}
@@ -112,22 +157,32 @@ def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | N
 def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor | None, capture: CaptureConfig,
                  awq: AwqConfig | None = None, progress: StageProgress | None = None) -> tuple[ModelWeights, dict]:
     """AWQ int4: per layer, search scales and clips on that layer's real inputs, fold them, quantize
-    round-to-nearest per group, and feed the next layer with the scaled (unquantized) layer, as AutoAWQ
-    does. RTN skips the search. Returns the weights and a report of the search losses."""
+    round-to-nearest per group, and feed the next layer's search with this layer's output (awq.layer_input
+    says with which of its weights). RTN skips the search. Returns the weights and a report of the search
+    losses."""
+    cfg, _ = cfg.with_group_size(weights.config)
     check_group_size(weights.config, cfg.group_size)
     awq = replace(awq or AwqConfig(), group_size=cfg.group_size)
     n = len(weights.layers)
-    runner = LayerwiseRunner(weights, windows, capture) if cfg.awq_method == AwqMethod.AWQ else None
+    runner = None
+    if cfg.awq_method == AwqMethod.AWQ:
+        windows = windows[: -(-awq.search_tokens // windows.shape[1])]  # [n', L]: only what the search reads
+        runner = LayerwiseRunner(weights, windows, capture)
     out, report = [], {"layers": []}
+    if runner is not None:
+        report["search_tokens"] = int(windows.numel())  # the first windows of the text; the rest are not read
     for i, layer in enumerate(weights.layers):
+        original = layer
         if runner is not None:
             result = search_layer(layer, weights.config, runner.hidden, awq)
-            layer = apply_awq(layer, result)
+            layer = apply_awq(layer, result, weights.config)
             report["layers"].append({"alphas": result.alphas, "losses": result.losses})
-            runner.run_layer(layer)
         linears = {attr: AwqLinear.from_dense(lin.dense_weight().float(), cfg.group_size)
                    for attr, lin in layer.linears().items()}
         out.append(replace(layer, **linears))
+        if runner is not None:  # what the next layer's search sees
+            runner.run_layer({LayerInput.FLOAT: original, LayerInput.SCALED: layer,
+                              LayerInput.QUANTIZED: out[-1]}[awq.layer_input])
         if progress:
             progress("awq" if runner is not None else "rtn", i, n)
     return replace(weights, layers=out, meta={**weights.meta, "scheme": "awq"}), report

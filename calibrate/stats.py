@@ -21,6 +21,7 @@ import torch
 
 from calibrate.collectors import ChannelStatsCollector, HistogramCollector
 from calibrate.methods import CalibConfig, CalibMethod
+from calibrate.outputs import temp_prefix
 from calibrate.ranges import compute_amax
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, FllamaError
@@ -136,7 +137,7 @@ class CalibStats:
             raise FllamaError(f"{path} already exists; use --force to overwrite it")
         path.parent.mkdir(parents=True, exist_ok=True)
         data = st_save(self._tensors(), metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")  # cleaned if killed
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes it private; a stats file is an ordinary output

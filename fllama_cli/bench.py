@@ -10,10 +10,16 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from fllama_cli.options import JsonOpt, ModelArg, RandomOpt, SeedOpt
+from calibrate.outputs import OutputKind, prepare_output
+from fllama_cli.options import ForceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
 from model_zoo.errors import ConfigError
+
+SUMMARY = "GPU engine throughput, latency and memory against the bandwidth floor and torch.compile."
+EXAMPLES = ("fllama bench --random --model llama2-7b --scheme fp16,awq --batch 1,8",
+            "fllama bench ./smollm2-awq --scheme awq --batch 1 --json")
 
 
 class Baseline(str, Enum):
@@ -37,8 +43,8 @@ def bench_cmd(
     gen_len: Annotated[int, typer.Option("--gen-len", help="Decode steps timed per repeat.")] = 128,
     baseline: Annotated[Baseline, typer.Option("--baseline", help="torch: the reference model in fp16 under torch.compile with CUDA graphs.")] = Baseline.torch,
     repeat: Annotated[int, typer.Option("--repeat", help="Repeats (medians and p90 are over them).")] = 3,
-    group_size: Annotated[int, typer.Option("--group-size", help="AWQ group size for random weights.")] = 128,
-    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown to this file.")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="AWQ group size of --random weights with --scheme awq \\[default: 128].", show_default=False)] = None,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown to this file (an existing one only with --force).")] = None,
     pdl: Annotated[Optional[bool], typer.Option("--pdl/--no-pdl", help="Programmatic dependent launch on Hopper (each kernel starts while the previous one finishes; on unless FLLAMA_PDL=0); --no-pdl to compare.")] = None,
     fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Small-batch decode (fp16 up to 8 rows, awq up to 4, int8 up to 16): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
     fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
@@ -46,6 +52,7 @@ def bench_cmd(
     lm_head_int8: Annotated[bool, typer.Option("--lm-head-int8", help="The int8 and awq engines' lm_head as int8 codes with a scale per vocabulary row (as generate / chat / eval --lm-head-int8): half its bytes each decode step; the floor counts them. fp16 (the unquantized model) and the baseline keep the fp16 head.")] = False,
     random: RandomOpt = False,
     seed: SeedOpt = None,
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Measure the GPU engine: copy bandwidth, then per scheme and batch size prefill tokens/s, time to first
@@ -56,13 +63,20 @@ def bench_cmd(
     from kernels_cu.bench import BenchConfig
     from kernels_cu.bench_suite import BenchRequest, run_bench
 
-    req = BenchRequest(source=model_opt or model, schemes=tuple(s.strip() for s in scheme.split(",") if s.strip()),
+    if markdown is not None:  # an unwritable path fails now, not after the benchmark
+        for note in prepare_output(markdown, OutputKind.FILE, force):
+            Console(stderr=True, highlight=False).print(f"[dim]{escape(note)}[/]")
+    schemes = tuple(s.strip() for s in scheme.split(",") if s.strip())
+    if group_size is not None and not (random and "awq" in schemes):
+        raise ConfigError("--group-size sets the AWQ groups of --random weights with --scheme awq; a checkpoint "
+                          "keeps its own")
+    req = BenchRequest(source=model_opt or model, schemes=schemes,
                        cfg=BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len,
-                                       repeat=repeat, group_size=group_size),
+                                       repeat=repeat, group_size=128 if group_size is None else group_size),
                        baseline=baseline == Baseline.torch, random=random, seed=seed or 0, pdl=pdl,
                        fold_norms=fold_norms, fuse_rope=fuse_rope, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
     err = Console(stderr=True, highlight=False)
-    rows, meta = run_bench(req, lambda msg: err.print(f"[dim]{msg}[/]"))
+    rows, meta = run_bench(req, lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
     if json_out:
         print(json.dumps({"meta": meta, "rows": rows}, default=float))
     else:
@@ -99,7 +113,7 @@ def _options(meta: dict) -> str:
 
 
 def _table(rows: list[dict], meta: dict) -> Table:
-    t = Table(title=f"fllama bench · {meta['model']} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · "
+    t = Table(title=f"fllama bench · {escape(str(meta['model']))} · {meta['gpu']} · driver {meta['driver']} · {meta['date']} · "
                     f"copy {meta['copy_bandwidth_tb_s']:.2f} TB/s · prompt {meta['prompt_len']} gen {meta['gen_len']} · "
                     f"PDL {'on' if meta['programmatic_launch'] else 'off'}{_options(meta)}")
     for _, title, _ in COLUMNS:

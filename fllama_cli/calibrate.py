@@ -11,26 +11,32 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from calibrate.calibration import DataConfig, range_report
-from calibrate.methods import CalibConfig, parse_methods
+from calibrate.methods import CalibConfig, CalibMethod, parse_methods
 from calibrate.stats import CalibStats
 from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
-from model_zoo.errors import ConfigError, FllamaError
+from model_zoo.errors import ConfigError
 from model_zoo.text_sources import SOURCES
+
+SUMMARY = "Activation statistics per capture point, and ranges by max / percentile / MSE / entropy."
+EXAMPLES = ("fllama calibrate -o stats.safetensors",
+            "fllama calibrate --data gutenberg:history --samples 128 --seq-len 512 -o stats.safetensors",
+            "fllama calibrate --from-stats stats.safetensors --method mse")
 
 
 def calibrate_cmd(
     model: ModelArg = None,
-    data: Annotated[str, typer.Option("--data", help="Text source:\n" + SOURCES)] = "gutenberg:history",
-    samples: Annotated[int, typer.Option("--samples", help="Windows of --seq-len tokens to run.")] = 128,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per window.")] = 512,
+    data: Annotated[Optional[str], typer.Option("--data", help="Text source \\[default: gutenberg:history]:\n" + SOURCES, show_default=False)] = None,
+    samples: Annotated[Optional[int], typer.Option("--samples", help="Windows of --seq-len tokens to run \\[default: 128].", show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window \\[default: 512].", show_default=False)] = None,
     method: Annotated[str, typer.Option("--method", help="max | percentile | mse | entropy | all")] = "all",
-    percentile: Annotated[float, typer.Option("--percentile", help="Percentile of |x| for the percentile method.")] = 99.99,
-    bins: Annotated[int, typer.Option("--bins", help="Histogram bins (>= 128).")] = 2048,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the statistics here (safetensors).")] = None,
+    percentile: Annotated[Optional[float], typer.Option("--percentile", help="Percentile of |x| for the percentile method \\[default: 99.99].", show_default=False)] = None,
+    bins: Annotated[Optional[int], typer.Option("--bins", help="Histogram bins (>= 128) \\[default: 2048].", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the statistics here (safetensors). Required, unless --from-stats.")] = None,
     from_stats: Annotated[Optional[Path], typer.Option("--from-stats", help="Recompute ranges from a saved stats file; runs no model.")] = None,
     batch: WindowBatchOpt = 8,
     device: DeviceOpt = DeviceChoice.auto,
@@ -43,20 +49,27 @@ def calibrate_cmd(
     """Run text through the model layer by layer, collect |x| histograms and per-channel statistics at the
     inputs of q/k/v, o_proj, gate/up and down_proj, and report each method's amax and SQNR."""
     err = Console(stderr=True, highlight=False)
+    methods = parse_methods(method)
+    if percentile is not None and methods not in (None, CalibMethod.PERCENTILE):
+        raise ConfigError(f"--percentile applies to the percentile method; --method {method} does not use it")
+    percentile = 99.99 if percentile is None else percentile
     if from_stats is not None:
+        run_only = {"MODEL": model, "-o": output, "--data": data, "--samples": samples, "--seq-len": seq_len,
+                    "--bins": bins, "--random": random or None, "--seed": seed, "--force": force or None}
+        given = [name for name, value in run_only.items() if value is not None]
+        if given:
+            raise ConfigError(f"--from-stats recomputes ranges from a saved file and runs no model: drop "
+                              f"{', '.join(given)}")
         stats = CalibStats.load(from_stats)
-        calib = CalibConfig(method=parse_methods(method), percentile=percentile,
-                            bins=stats.meta.get("bins", bins), start_bin=stats.calib_config.start_bin)
-        if output is not None:
-            raise ConfigError("--from-stats reads a stats file; it writes none (drop -o)")
+        calib = CalibConfig(method=methods, percentile=percentile, bins=stats.meta.get("bins", 2048),
+                            start_bin=stats.calib_config.start_bin)
         _render(range_report(stats, calib), stats.meta, json_out)
         return
-    calib = CalibConfig(method=parse_methods(method), percentile=percentile, bins=bins)
-    data_cfg = DataConfig(source=data, samples=samples, seq_len=seq_len)
+    samples, seq_len = 128 if samples is None else samples, 512 if seq_len is None else seq_len
+    calib = CalibConfig(method=methods, percentile=percentile, bins=2048 if bins is None else bins)
+    data_cfg = DataConfig(source=data or "gutenberg:history", samples=samples, seq_len=seq_len)
     if output is None:
         raise ConfigError("give the output file: -o stats.safetensors")
-    if output.exists() and not force:
-        raise FllamaError(f"{output} already exists; use --force to overwrite it")
 
     from calibrate.pipeline import CalibrateJob, run_calibrate
 
@@ -79,10 +92,10 @@ def calibrate_cmd(
             rate = done / max(time.perf_counter() - started["t0"], 1e-9)
             bar.update(task, layer=f"{layer + 1}/{n_layers}", rate=f"{rate:,.0f} tok/s")
 
-        stats = run_calibrate(job, progress)
+        stats = run_calibrate(job, progress, note=lambda text: bar.console.print(f"[dim]{escape(text)}[/]"))
     dev = stats.meta["device"]
     if not json_out:
-        err.print(f"[dim]wrote {output} ({len(stats.points)} capture points, {samples}x{seq_len} tokens of {data}, "
+        err.print(f"[dim]wrote {escape(str(output))} ({len(stats.points)} capture points, {samples}x{seq_len} tokens of {escape(data_cfg.source)}, "
                   f"{stats.meta['seconds']:.1f} s on {dev})[/]")
     _render(range_report(stats, calib), stats.meta, json_out)
 
@@ -94,8 +107,8 @@ def _render(report: dict, meta: dict, json_out: bool) -> None:
         print(json.dumps(clean))
         return
     methods = list(next(iter(report.values())).keys())
-    table = Table(title=f"activation ranges (amax / SQNR of int8 fake-quant) · {meta.get('model', {}).get('name', '?')} · "
-                        f"{meta.get('source', '?')} ({meta.get('samples', '?')}x{meta.get('seq_len', '?')})")
+    table = Table(title=f"activation ranges (amax / SQNR of int8 fake-quant) · {escape(str(meta.get('model', {}).get('name', '?')))} · "
+                        f"{escape(str(meta.get('source', '?')))} ({meta.get('samples', '?')}x{meta.get('seq_len', '?')})")
     table.add_column("capture point", no_wrap=True)
     for m in methods:
         table.add_column(m, justify="right", no_wrap=True)

@@ -8,27 +8,35 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from fllama_cli.options import KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
-from fllama_cli.runtime import open_model, read_prompt_arg
+from fllama_cli.options import KvInt8Opt, LmHeadInt8Opt, MaxContextOpt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.prompts import read_prompt_arg
+from fllama_cli.runtime import open_model
+from fllama_cli.sampling import RepetitionOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_config
 from model_zoo.errors import PromptError
-from model_zoo.generation import GenerationConfig, generate
-from model_zoo.sampling import SamplingConfig
+from model_zoo.generation import GenerationConfig, check_prompts, generate
+
+SUMMARY = "Continue a prompt, streamed as it is generated (several -p: a batch)."
+EXAMPLES = ('fllama generate -p "The capital of France is" -n 16 --temperature 0',
+            'echo "Once upon a time" | fllama generate ./smollm2-awq -n 64 --seed 1',
+            'fllama generate -p "short" -p "a longer second prompt" --json')
 
 
 def generate_cmd(
     model: ModelArg = None,
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch. Read from stdin when absent.")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", metavar="<str>", help="Prompt text; repeat for a batch. Read from stdin when absent.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate at most.")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1 = off).")] = 0.95,
-    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="> 1 discourages repeats.")] = 1.0,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
+    temperature: TemperatureOpt = 0.7,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    repetition_penalty: RepetitionOpt = 1.0,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="<str>", help="Stop when this text appears (repeatable).")] = None,
     seed: SeedOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
     lm_head_int8: LmHeadInt8Opt = False,
+    max_context: MaxContextOpt = None,
     random: RandomOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -37,15 +45,16 @@ def generate_cmd(
     if not prompts or not any(p.strip() for p in prompts):
         raise PromptError("the prompt is empty: give -p TEXT or pipe text on stdin")
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()),
-                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                                                   repetition_penalty=repetition_penalty, seed=seed))
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
+                           sampling=sampling_config(temperature, top_k, top_p, repetition_penalty, seed))
+    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8,
+                        max_context=max_context)
     tok = opened.tokenizer
     ids = [tok.encode(p) for p in prompts]
+    check_prompts(ids, opened.config)  # before the prompt is echoed: an error is one line, not the prompt and a line
     stream = not json_out and len(prompts) == 1
     out = Console(highlight=False, soft_wrap=True)
     if stream:
-        out.print(prompts[0], end="", style="dim")
+        out.print(prompts[0], end="", style="dim", markup=False)  # a prompt is text, not rich markup
     on_text = (lambda _row, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
     results, stats = generate(opened.backend, tok, ids, cfg, on_text=on_text)
     if json_out:
@@ -61,7 +70,7 @@ def generate_cmd(
         return
     if not stream:
         for p, r in zip(prompts, results):
-            out.print(f"[dim]{p}[/]{r.text}")
+            out.print(f"[dim]{escape(p)}[/]{escape(r.text)}")
             out.rule(style="dim")
     else:
         print()

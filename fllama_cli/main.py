@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from fllama_cli import __version__
 from fllama_cli.errors import run_guarded
 
+
+def _flags_read_as_flags(command, ctx) -> None:
+    """typer shows every option's type, `<bool>` for an on/off flag too, as if it took a value: flags (and
+    --help) get none."""
+    for param in [*command.params, command.get_help_option(ctx)]:
+        if param is not None and getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
+class Command(TyperCommand):
+    def format_help(self, ctx, formatter) -> None:
+        _flags_read_as_flags(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+class Group(TyperGroup):
+    def format_help(self, ctx, formatter) -> None:
+        _flags_read_as_flags(self, ctx)
+        super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
     name="fllama",
+    cls=Group,
     help="Quantize LLaMA-family models (per-channel INT8, AWQ int4) and run them fast on NVIDIA GPUs.",
+    epilog="[bold]Start here[/]\n\n  fllama generate -p \"The capital of France is\" -n 16 --temperature 0\n\n"
+           "  fllama quantize --scheme awq -o smollm2-awq && fllama chat smollm2-awq",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -17,22 +42,19 @@ app = typer.Typer(
 )
 
 
-def _register() -> None:
-    from fllama_cli.bench import bench_cmd
-    from fllama_cli.calibrate import calibrate_cmd
-    from fllama_cli.chat import chat_cmd
-    from fllama_cli.eval import eval_cmd
-    from fllama_cli.generate import generate_cmd
-    from fllama_cli.info import info_cmd
-    from fllama_cli.quantize import quantize_cmd
+def _epilog(examples: tuple[str, ...]) -> str:
+    return "[bold]Examples[/]\n\n" + "\n\n".join(f"  {e}" for e in examples)
 
-    app.command("calibrate")(calibrate_cmd)
-    app.command("quantize")(quantize_cmd)
-    app.command("generate")(generate_cmd)
-    app.command("chat")(chat_cmd)
-    app.command("bench")(bench_cmd)
-    app.command("eval")(eval_cmd)
-    app.command("info")(info_cmd)
+
+def _register() -> None:
+    from fllama_cli import bench, calibrate, chat, eval, generate, info, quantize
+
+    for name, module, fn in (("calibrate", calibrate, calibrate.calibrate_cmd),
+                             ("quantize", quantize, quantize.quantize_cmd),
+                             ("generate", generate, generate.generate_cmd), ("chat", chat, chat.chat_cmd),
+                             ("bench", bench, bench.bench_cmd), ("eval", eval, eval.eval_cmd),
+                             ("info", info, info.info_cmd)):
+        app.command(name, cls=Command, short_help=module.SUMMARY, epilog=_epilog(module.EXAMPLES))(fn)
 
 
 def _version(value: bool) -> None:
@@ -51,7 +73,7 @@ _register()
 
 
 def main() -> None:
-    run_guarded(lambda: app(standalone_mode=True))
+    run_guarded(lambda: app(standalone_mode=False))  # errors are rendered by run_guarded, one line each
 
 
 if __name__ == "__main__":

@@ -8,27 +8,32 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from calibrate.methods import CalibMethod
 from calibrate.quantize import AwqMethod, QuantConfig
 from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
-from model_zoo.errors import ConfigError, FllamaError
 from model_zoo.quant.formats import Scheme
 from model_zoo.quant.int8 import ActQuant
+
+SUMMARY = "Write an int8 (W8A8) or AWQ int4 checkpoint that fllama, vLLM and transformers load."
+EXAMPLES = ("fllama quantize --scheme awq -o smollm2-awq",
+            "fllama quantize --scheme int8 --smooth 0.5 --stats stats.safetensors -o smollm2-int8",
+            "fllama quantize --scheme int8 --act static --stats stats.safetensors -o smollm2-int8-static")
 
 
 def quantize_cmd(
     model: ModelArg = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (refused if it exists, unless --force).", show_default=False)] = ...,
     scheme: Annotated[Scheme, typer.Option("--scheme", help="int8: W8A8 per-channel weights; awq: int4 weights in groups; fp16: plain export.")] = Scheme.INT8,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (refused if it exists, unless --force).")] = None,
     stats: Annotated[Optional[Path], typer.Option("--stats", help="Calibration stats from `fllama calibrate` (needed by --act static and --smooth).")] = None,
     act: Annotated[ActQuant, typer.Option("--act", help="int8 activations: dynamic per-token scales, or static per-tensor scales from --stats.")] = ActQuant.DYNAMIC,
-    calibrator: Annotated[CalibMethod, typer.Option("--calibrator", help="Range method for --act static.")] = CalibMethod.PERCENTILE,
-    percentile: Annotated[float, typer.Option("--percentile", help="For --calibrator percentile.")] = 99.99,
+    calibrator: Annotated[Optional[CalibMethod], typer.Option("--calibrator", help="Range method for --act static \\[default: mse, the best static ranges in docs/quality.md].", show_default=False)] = None,
+    percentile: Annotated[Optional[float], typer.Option("--percentile", help="For --calibrator percentile \\[default: 99.99].", show_default=False)] = None,
     smooth: Annotated[Optional[float], typer.Option("--smooth", help="SmoothQuant alpha in [0, 1] (e.g. 0.5): move activation outliers into the weights.")] = None,
-    group_size: Annotated[int, typer.Option("--group-size", help="awq: input channels per scale/zero group.")] = 128,
-    method: Annotated[AwqMethod, typer.Option("--method", help="awq: 'awq' searches scales and clips; 'rtn' is plain round-to-nearest.")] = AwqMethod.AWQ,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="awq: input channels per scale/zero group \\[default: the largest of 128, 64, 32 that divides every layer].", show_default=False)] = None,
+    method: Annotated[Optional[AwqMethod], typer.Option("--method", help="awq: 'awq' searches scales and clips; 'rtn' is plain round-to-nearest \\[default: awq].", show_default=False)] = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Calibration text for the AWQ search or re-capture (default: the stats' source, else gutenberg:history).")] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", help="Windows of calibration text (default: the stats', else 128).")] = None,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window (default: the stats', else 512).")] = None,
@@ -41,13 +46,10 @@ def quantize_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Quantize q, k, v, o, gate, up and down (embeddings, norms and lm_head stay fp16) and write a checkpoint
-    that fllama, vLLM and transformers load (compressed-tensors int8, AutoAWQ GEMM)."""
+    that fllama, vLLM and transformers load (compressed-tensors int8, AutoAWQ GEMM). Options that do not apply to
+    the scheme are refused."""
     from calibrate.pipeline import QuantizeJob, run_quantize
 
-    if output is None:
-        raise ConfigError("give the output directory: -o OUTDIR")
-    if output.exists() and not force:
-        raise FllamaError(f"{output} already exists; use --force to replace it")
     cfg = QuantConfig(scheme=scheme, act=act, calibrator=calibrator, percentile=percentile, smooth=smooth,
                       group_size=group_size, awq_method=method)
     job = QuantizeJob(model=model, output=output, quant=cfg, stats=stats, data=data, samples=samples, seq_len=seq_len,
@@ -62,11 +64,13 @@ def quantize_cmd(
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done)
 
-        result = run_quantize(job, progress)
-    summary = {"output": str(result.output), **cfg.describe(), "bytes": result.bytes, "seconds": result.seconds,
+        result = run_quantize(job, progress, note=lambda text: bar.console.print(f"[dim]{escape(text)}[/]"))
+    described = result.quant.describe()
+    summary = {"output": str(result.output), **described, "bytes": result.bytes, "seconds": result.seconds,
                "device": result.device}
     if json_out:
         print(json.dumps(summary))
     else:
-        err.print(f"wrote {output} · {cfg.describe()} · {result.bytes / 2**20:.1f} MiB · {result.seconds:.1f} s on "
+        options = " ".join(f"{k}={v}" for k, v in described.items() if v is not None)
+        err.print(f"wrote {escape(str(output))} · {escape(options)} · {result.bytes / 2**20:.1f} MiB · {result.seconds:.1f} s on "
                   f"{result.device}")

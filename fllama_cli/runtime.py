@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,6 +19,7 @@ class Opened:
     backend: Any  # model_zoo.backend.Backend
     device: str  # "cpu" | "cuda"
     lm_head_int8: bool = False
+    load_s: float = 0.0  # reading the checkpoint and preparing its weights (dequantizing, laying out)
 
     @property
     def tokenizer(self):
@@ -31,7 +32,9 @@ class Opened:
     def describe(self) -> str:
         dtype = "fp32 compute" if self.device == "cpu" else "fp16 compute"
         head = ", lm_head int8" if self.lm_head_int8 else ""
-        return f"{self.backend.name} on {self.device}, {self.backend.scheme} weights{head}, {dtype}"
+        threads = getattr(self.backend, "threads", None)
+        dtype += "" if threads is None else f", {threads} thread{'s' if threads > 1 else ''}"
+        return f"{self.backend.name} on {self.device}, {self.backend.scheme} weights{head}, {dtype}, load {self.load_s:.1f} s"
 
 
 def gpu_usable() -> tuple[bool, str]:
@@ -61,32 +64,25 @@ def pick_device(choice: DeviceChoice) -> str:
 
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
                seed: int | None = None, dtype: torch.dtype | None = None,
-               kv_int8: bool = False, lm_head_int8: bool = False) -> Opened:
+               kv_int8: bool = False, lm_head_int8: bool = False, max_context: int | None = None) -> Opened:
     from model_zoo.load import load_model
 
+    t0 = time.perf_counter()
     dev = pick_device(device)
     if kv_int8 and dev != "cuda":
         raise ConfigError("--kv-int8 is an option of the GPU engine (--device cuda)")
     loaded = load_model(source, random=random, seed=seed or 0, dtype=torch.float32)
+    loaded.config = loaded.config.with_context(max_context)  # --max-context: what prompts and replies may use
     if dev == "cuda":
         from kernels_cu.engine import Engine, EngineConfig
 
-        backend = Engine.from_loaded(loaded, EngineConfig(kv_int8=kv_int8, lm_head_int8=lm_head_int8))
+        cfg = EngineConfig(kv_int8=kv_int8, lm_head_int8=lm_head_int8, max_len=max_context or EngineConfig.max_len)
+        backend = Engine.from_loaded(loaded, cfg)
     else:
-        from model_zoo.reference import ReferenceModel
+        from model_zoo.cpu_fast import CpuModel
 
         weights = build_weights(loaded, dtype or torch.float32, "cpu")
         if lm_head_int8:  # the engine's int8 head, as values: the reference's logits carry its rounding
             weights = replace(weights, lm_head=int8_round_trip(weights.lm_head))
-        backend = ReferenceModel(weights)
-    return Opened(loaded, backend, dev, lm_head_int8)
-
-
-def read_prompt_arg(prompts: list[str] | None) -> list[str]:
-    """-p values, or the whole of stdin when none is given and stdin is not a terminal."""
-    if prompts:
-        return prompts
-    if not sys.stdin.isatty():
-        return [sys.stdin.read()]
-    return []
-
+        backend = CpuModel(weights)  # the reference's numerics; weights laid out (AWQ dequantized) here, at load
+    return Opened(loaded, backend, dev, lm_head_int8, load_s=time.perf_counter() - t0)

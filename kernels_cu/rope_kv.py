@@ -24,19 +24,32 @@ import torch
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
 from kernels_cu.quantize import quantize_ref
+from model_zoo import rope
+from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
 from model_zoo.reference import rotate_half
+from model_zoo.rope import RopeScaling, RopeType
 
 # q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row, nh, nkv, d, L, B, max_pos
 SIGNATURE = "PPPPPPPPPiiiiii"
 MAX_THREADS = 1024
 
 
-def rope_table(head_dim: int, theta: float, max_pos: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 [max_pos, head_dim]: cos then sin of pos * inv_freq, computed as transformers computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+def rope_table(head_dim: int, theta: float, max_pos: int, device: torch.device | str = "cpu",
+               scaling: RopeScaling | None = None) -> torch.Tensor:
+    """fp32 [max_pos, head_dim]: cos then sin of pos * inv_freq, computed as transformers computes them, with the
+    config's RoPE scaling (model_zoo.rope). Dynamic NTK gives its frequencies within the original context only:
+    beyond it they depend on the longest row of each call, which one table cannot hold (the engine refuses it)."""
+    inv_freq = rope.inv_freq(head_dim, theta, scaling, None, device)  # [d/2]
     freqs = torch.arange(max_pos, device=device).float()[:, None] * inv_freq  # [P, d/2]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [P, d]
+
+
+def rope_positions(config: LlamaConfig) -> int:
+    """Positions rope_table() serves exactly: the context, or within it the original one for dynamic NTK."""
+    s = config.rope_scaling
+    dynamic = s is not None and s.kind is RopeType.DYNAMIC
+    return min(config.max_positions, s.original_max_positions) if dynamic else config.max_positions
 
 
 def _cos_sin_half(cos_sin: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

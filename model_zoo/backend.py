@@ -7,6 +7,7 @@ from typing import Any, Protocol
 import torch
 
 from model_zoo.config import LlamaConfig
+from model_zoo.errors import PromptError
 from model_zoo.sampling import SamplingConfig, TorchSampler
 
 
@@ -35,3 +36,16 @@ def make_sampler(backend: Backend, cfg: SamplingConfig, batch: int) -> Any:
     if factory is not None:
         return factory(cfg, batch)
     return TorchSampler(cfg, batch, backend.config.vocab_size, backend.device)
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, what: str = "the input") -> None:
+    """Every id in [0, vocab_size), else PromptError: an embedding lookup would fail (id >= V) or silently take
+    another row (id < 0 wraps to the end)."""
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        hint = " (is the tokenizer the model's own?)" if bad >= vocab_size else ""
+        raise PromptError(f"{what} has token id {bad}, outside the model's vocabulary of {vocab_size} "
+                          f"(ids 0..{vocab_size - 1}){hint}")

@@ -51,6 +51,16 @@ LLAMA2_TEMPLATE = """\
 """
 
 
+# Meta-Llama-3-8B-Instruct's template: <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>
+# per message; the turn ends at <|eot_id|> (128009), one of the model's stop ids.
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
 class _TemplateRaised(Exception):
     """raise_exception() called by a template: the conversation does not fit the template's rules."""
 
@@ -70,8 +80,11 @@ def render_chat(template: str | None, messages: Sequence[Mapping[str, Any]], *, 
 
 
 def default_template(tokenizer: "Tokenizer") -> str:
-    """The built-in template for a model without one: ChatML when the vocabulary has <|im_start|>."""
-    return CHATML_TEMPLATE if tokenizer.token_to_id("<|im_start|>") is not None else LLAMA2_TEMPLATE
+    """The built-in template for a model without one: ChatML when the vocabulary has <|im_start|>, Llama-3's when
+    it has <|start_header_id|>, else LLaMA-2's [INST]."""
+    if tokenizer.token_to_id("<|im_start|>") is not None:
+        return CHATML_TEMPLATE
+    return LLAMA3_TEMPLATE if tokenizer.token_to_id("<|start_header_id|>") is not None else LLAMA2_TEMPLATE
 
 
 def apply_chat_template(tokenizer: "Tokenizer", messages: Sequence[Mapping[str, Any]],

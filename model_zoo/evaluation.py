@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from model_zoo.backend import check_token_ids
+from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
 
 
@@ -24,6 +26,25 @@ class EvalConfig:
             raise ConfigError(f"max-tokens ({self.max_tokens}) must be at least seq-len ({self.seq_len})")
         if self.batch < 1:
             raise ConfigError("batch must be >= 1")
+
+
+def check_window_fits(seq_len: int, config: LlamaConfig, which: str = "the model") -> None:
+    """A window is one forward pass: it must fit the context (calibrate refuses the same)."""
+    if seq_len > config.max_positions:
+        raise ConfigError(f"--seq-len {seq_len} is beyond {which}'s context of {config.max_positions} tokens: "
+                          f"use --seq-len {config.max_positions} or less")
+
+
+def check_baseline(config: LlamaConfig, tokenizer: Any, base_config: LlamaConfig, base_tokenizer: Any,
+                   text: str) -> None:
+    """KL and top-1 agreement compare the two models token by token: both must read the text as the same ids."""
+    if base_config.vocab_size != config.vocab_size:
+        raise ConfigError(f"the baseline's vocabulary ({base_config.vocab_size}) differs from the model's "
+                          f"({config.vocab_size})")
+    sample = text[:4000]
+    if base_tokenizer.encode(sample) != tokenizer.encode(sample):
+        raise ConfigError("the baseline's tokenizer splits the text differently from the model's: a baseline must "
+                          "share the model's tokenizer (e.g. the model before quantization)")
 
 
 @dataclass
@@ -48,6 +69,10 @@ def evaluate(model: Any, windows: torch.Tensor, cfg: EvalConfig, baseline: Any =
 
     `model` and `baseline` are backends (forward(tokens [B, S]) -> logits [B, S, V]).
     """
+    for backend, which in ((model, "the model"), (baseline, "the baseline")):
+        if backend is not None:
+            check_window_fits(windows.shape[1], backend.config, which)
+            check_token_ids(windows, backend.config.vocab_size, "the evaluation text")
     nll_sum, kl_sum, agree, count = 0.0, 0.0, 0, 0
     base_nll = 0.0
     for start in range(0, len(windows), cfg.batch):

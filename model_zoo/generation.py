@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from model_zoo.backend import Backend, make_sampler
+from model_zoo.backend import Backend, check_token_ids, make_sampler
+from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError, PromptError
 from model_zoo.sampling import SamplingConfig
 
@@ -26,6 +27,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ConfigError("a stop string is empty: it would end every reply before its first token")
 
 
 @dataclass
@@ -95,15 +98,19 @@ class _Row:
             self.emitted = ready
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], max_positions: int) -> None:
+def check_prompts(prompts: Sequence[Sequence[int]], config: LlamaConfig) -> None:
+    """PromptError unless every prompt is non-empty, leaves room for a token in the context, and holds only
+    ids of the model's vocabulary."""
     if not prompts:
         raise PromptError("no prompt given")
     for i, p in enumerate(prompts):
+        which = f" (prompt {i + 1})" if len(prompts) > 1 else ""
         if len(p) == 0:
-            raise PromptError("the prompt is empty" + (f" (prompt {i + 1})" if len(prompts) > 1 else ""))
-        if len(p) >= max_positions:
-            raise PromptError(f"the prompt has {len(p)} tokens but the model's context is {max_positions}: "
-                              "shorten it")
+            raise PromptError("the prompt is empty" + which)
+        if len(p) >= config.max_positions:
+            raise PromptError(f"the prompt{which} has {len(p)} tokens but the model's context is "
+                              f"{config.max_positions}: shorten it")
+        check_token_ids(torch.as_tensor(list(p), dtype=torch.long), config.vocab_size, "the prompt" + which)
 
 
 def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
@@ -116,7 +123,7 @@ def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]],
     tokens as when run alone: rows never see each other.
     """
     config = backend.config
-    check_prompts(prompts, config.max_positions)
+    check_prompts(prompts, config)
     B = len(prompts)
     row_ids = list(range(B)) if rows is None else list(rows)
     if cache is None:

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from model_zoo import rope
+from model_zoo.backend import check_token_ids
 from model_zoo.config import LlamaConfig
 from model_zoo.weights import LayerWeights, ModelWeights
 
@@ -48,9 +50,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_cos_sin(config: LlamaConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [*positions.shape, head_dim] in `dtype`, computed in fp32 as transformers does."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
+    """cos, sin [*positions.shape, head_dim] in `dtype`, computed in fp32 as transformers does (RoPE scaling
+    included: dynamic NTK takes this call's longest position, as transformers' forward does)."""
+    dynamic = config.rope_scaling is not None and config.rope_scaling.kind is rope.RopeType.DYNAMIC
+    seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else None  # a host sync: dynamic only
+    inv_freq = rope.inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, seq_len, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [..., d/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., d]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -153,6 +157,7 @@ class ReferenceModel:
                 observer: Observer | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, V] (fp32). With a cache, each row continues at its own length."""
         tokens = tokens.to(self.device)
+        check_token_ids(tokens, self.config.vocab_size)
         B, S = tokens.shape
         if cache is None:
             positions = torch.arange(S, device=self.device).expand(B, S)  # [B, S]

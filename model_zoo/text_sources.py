@@ -33,7 +33,7 @@ gutenberg:history    History of the United States (lines 5522-29556)
 gutenberg:surgery    Manual of Surgery (lines 29940-53900)
 gutenberg:warpeace   War and Peace (lines 54306-121390)
 wikitext2            WikiText-2 raw, test split (Hugging Face hub: needs a network once, and pyarrow)
-PATH.txt             a UTF-8 text file
+PATH.txt             a UTF-8 text file (any other existing file is read as text too)
 PATH.jsonl           one JSON object per line; their "text" fields joined by blank lines"""
 
 # one line, for option help (Typer folds newlines)
@@ -48,10 +48,12 @@ def load_text(source: str) -> str:
         text = _gutenberg(src.split(":", 1)[1])
     elif src.lower() == "wikitext2":
         text = _wikitext2()
-    elif src.lower().endswith(".txt"):
-        text = _read_file(Path(src))
     elif src.lower().endswith(".jsonl"):
         text = _jsonl(Path(src))
+    elif src.lower().endswith(".txt") or Path(src).is_file():  # any existing file is read as UTF-8 text
+        text = _read_file(Path(src))
+    elif Path(src).is_dir():
+        raise TextSourceError(f"{source} is a directory; give a text file (.txt, .jsonl) or a named corpus")
     else:
         raise TextSourceError(f"unknown text source {source!r}; {SOURCES_HELP[0].lower()}{SOURCES_HELP[1:]}")
     if not text.strip():
@@ -99,14 +101,7 @@ def _wikitext2() -> str:
     if importlib.util.find_spec("pyarrow") is None:
         raise TextSourceError(
             "wikitext2 is stored as parquet on the hub; reading it needs pyarrow: pip install pyarrow")
-    try:
-        from huggingface_hub import hf_hub_download
-        local = hf_hub_download(WIKITEXT2_REPO, WIKITEXT2_FILE, repo_type="dataset")
-    except Exception as e:  # offline, hub unreachable, not in the cache, or huggingface_hub missing
-        raise TextSourceError(
-            f"wikitext2 needs {WIKITEXT2_REPO}/{WIKITEXT2_FILE} from the Hugging Face hub, which could not be "
-            f"downloaded or found in the cache ({type(e).__name__}); connect to a network once, or pass a "
-            f"local .txt file") from None
+    local = _hub_file(WIKITEXT2_REPO, WIKITEXT2_FILE)
     import pyarrow.parquet as pq
 
     try:
@@ -115,6 +110,45 @@ def _wikitext2() -> str:
         raise TextSourceError(f"cannot read {local} as WikiText-2 parquet ({e})") from None
     # the usual perplexity convention (Hugging Face's perplexity guide, GPTQ): rows joined by blank lines
     return "\n\n".join(rows)
+
+
+def _hub_file(repo: str, filename: str) -> str:
+    """The local path of a hub dataset file: from the cache at once, else downloaded. Offline (HF_HUB_OFFLINE, or
+    the hub unreachable in a few seconds) it fails at once, not after huggingface_hub's retries (~25 s)."""
+    try:
+        from huggingface_hub import constants, hf_hub_download
+    except ImportError:
+        raise TextSourceError("wikitext2 needs huggingface_hub: pip install huggingface_hub") from None
+    try:
+        return hf_hub_download(repo, filename, repo_type="dataset", local_files_only=True)
+    except Exception:  # not in the cache: download it below
+        pass
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
+    if not why:
+        try:
+            return hf_hub_download(repo, filename, repo_type="dataset")
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    raise TextSourceError(f"wikitext2 needs {repo}/{filename}, which is not in the Hugging Face cache and cannot be "
+                          f"downloaded ({why}); connect to a network once, or pass a local .txt file")
+
+
+def _unreachable(endpoint: str, timeout: float = 3.0) -> str:
+    """'' when a TCP connection to the hub opens within `timeout` seconds (or a proxy is set: the proxy decides),
+    else why not."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return ""
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as e:
+        return f"{url.hostname} is unreachable: {e.strerror or e}"
+    return ""
 
 
 def _read_file(path: Path) -> str:

@@ -155,13 +155,9 @@ def default_qtype(hf: str) -> Q:
     return Q.Q8_0
 
 
-def write_gguf(path: Path, config: LlamaConfig = TINY, sd: dict[str, torch.Tensor] | None = None, *,
-               arch: str = "llama", qtype=default_qtype, tokenizer: str = "llama",
-               skip: Iterable[str] = ()) -> dict[str, np.ndarray]:
-    """A llama.cpp-style GGUF of `sd`; returns what the loader should give back per HF name (dequantized)."""
-    sd = random_state_dict(config, seed=5) if sd is None else sd
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(config.name)
+
+def add_llama_header(w, config: LlamaConfig) -> None:
+    """The llama.* shape keys of a GGUF writer for `config`."""
     w.add_block_count(config.n_layers)
     w.add_context_length(config.max_positions)
     w.add_embedding_length(config.hidden_size)
@@ -171,6 +167,16 @@ def write_gguf(path: Path, config: LlamaConfig = TINY, sd: dict[str, torch.Tenso
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.norm_eps)
     w.add_vocab_size(config.vocab_size)
+
+
+def write_gguf(path: Path, config: LlamaConfig = TINY, sd: dict[str, torch.Tensor] | None = None, *,
+               arch: str = "llama", qtype=default_qtype, tokenizer: str = "llama",
+               skip: Iterable[str] = ()) -> dict[str, np.ndarray]:
+    """A llama.cpp-style GGUF of `sd`; returns what the loader should give back per HF name (dequantized)."""
+    sd = random_state_dict(config, seed=5) if sd is None else sd
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(config.name)
+    add_llama_header(w, config)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     if tokenizer == "llama":
         tokens, scores, types = sentencepiece_vocab(trained_sentencepiece(config.vocab_size))

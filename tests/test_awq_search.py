@@ -1,9 +1,22 @@
+import dataclasses
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from calibrate.awq import (AwqConfig, AwqLayerResult, apply_awq, check_group_size, fake_quant_groups,
-                           load_awq_results, save_awq_results, search_clip, search_layer, valid_group_sizes)
+from calibrate.awq import (AwqConfig, AwqLayerResult, LayerInput, apply_awq, check_group_size, fake_quant_groups,
+                           search_clip, search_layer, valid_group_sizes, working_weights)
+from calibrate.awq_config import SCALE_GROUPS, ScaleGroup
+from calibrate.awq_results import load_awq_results, save_awq_results
+from calibrate.awq_scale import TiedColumns, awq_scales, loss_fn, search_scale, tied_columns, weight_mean
+from calibrate.capture import CaptureConfig
+from calibrate.quantize import QuantConfig, quantize_awq
+from model_zoo.quant.formats import Scheme
+from model_zoo.reference import ReferenceModel
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError, CorruptCheckpointError
 from model_zoo.linear import DenseLinear
@@ -94,8 +107,8 @@ def test_bad_config(bad):
 def test_bad_input_and_result_shapes():
     with pytest.raises(ConfigError, match="layer input"):
         search_layer(_layer(MHA), MHA, torch.randn(2, 8, 32), AwqConfig(group_size=G))
-    with pytest.raises(ConfigError, match="MHA"):
-        apply_awq(_layer(GQA), AwqLayerResult(scales={"o": torch.ones(64)}))
+    with pytest.raises(ConfigError, match=r"\[32\] \(one per v_proj row\)"):  # o: one scale per v_proj row
+        apply_awq(_layer(GQA), AwqLayerResult(scales={"o": torch.ones(64)}), GQA)
 
 
 def test_shrink_ratios_follow_autoawq():
@@ -111,18 +124,17 @@ def test_shrink_ratios_follow_autoawq():
 def test_scale_folding_is_exact(config):
     layer = _layer(config)
     x = _x()
-    result = search_layer(layer, config, x, AwqConfig(group_size=G, clip=False, n_grid=5))
-    assert not result.clips and ("o" in result.scales) == (config is MHA)
-    folded = apply_awq(layer, result)
+    result = search_layer(layer, config, x, AwqConfig(group_size=G, clip=False, n_grid=5, gqa_o_scaling=True))
+    assert not result.clips and result.scales["o"].shape == (config.kv_size,)
+    folded = apply_awq(layer, result, config)
     assert not torch.equal(folded.wq.dense_weight(), layer.wq.dense_weight())
     assert torch.allclose(_fwd(folded, config, x), _fwd(layer, config, x), rtol=1e-5, atol=1e-5)
     # arbitrary positive scales fold exactly too (fp64: up to rounding only)
     layer64 = _layer(config, torch.float64)
     g = torch.Generator().manual_seed(3)
-    sizes = {"qkv": 64, "o": config.q_size, "gate_up": 64, "down": 128}
-    scales = {k: torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.1 for k, n in sizes.items()
-              if k != "o" or config is MHA}
-    out = _fwd(apply_awq(layer64, AwqLayerResult(scales=scales)), config, x.double())
+    sizes = {"qkv": 64, "o": config.kv_size, "gate_up": 64, "down": 128}
+    scales = {k: torch.rand(n, generator=g, dtype=torch.float64) * 4 + 0.1 for k, n in sizes.items()}
+    out = _fwd(apply_awq(layer64, AwqLayerResult(scales=scales), config), config, x.double())
     assert torch.allclose(out, _fwd(layer64, config, x.double()), rtol=1e-11, atol=1e-11)
 
 
@@ -134,18 +146,18 @@ def test_awq_beats_round_to_nearest(config):
     for name in result.scales:  # the grid includes alpha 0, so the search never loses to RTN on its data
         assert result.losses[name] <= result.losses[name + ".rtn"]
     for name in ("qkv", "gate_up"):  # salient channels -> a real scale (AWQ's point)
-        assert result.alphas[name] > 0
+        assert result.alphas[name] is not None and not torch.equal(result.scales[name], torch.ones(64))
         assert result.losses[name] < 0.9 * result.losses[name + ".rtn"]
     ref = _fwd(layer, config, held_out)
     err_rtn = (_fwd(_rtn_layer(layer, G), config, held_out) - ref).pow(2).mean()
-    err_awq = (_fwd(_rtn_layer(apply_awq(layer, result), G), config, held_out) - ref).pow(2).mean()
+    err_awq = (_fwd(_rtn_layer(apply_awq(layer, result, config), G), config, held_out) - ref).pow(2).mean()
     assert err_awq < 0.8 * err_rtn, (float(err_awq), float(err_rtn))
 
 
 def test_losses_are_the_blocks_output_errors():
     """With alpha 0 only (scales 1), each loss equals the error measured through reference.layer_forward."""
     layer, x = _layer(MHA), _x()
-    result = search_layer(layer, MHA, x, AwqConfig(group_size=G, n_grid=1, clip=False))
+    result = search_layer(layer, MHA, x, AwqConfig(group_size=G, n_grid=1, clip=False, duo_scaling=False))
     assert all(torch.equal(s, torch.ones_like(s)) for s in result.scales.values())
     seen = {}
     _fwd(layer, MHA, x, observer=lambda p, a: seen.__setitem__(p, a))
@@ -215,7 +227,7 @@ def test_results_round_trip_through_safetensors(tmp_path):
     for layer, r, r2 in zip(layers, results, back.layers):
         assert r2.losses == r.losses and r2.alphas == r.alphas
         assert r2.scales.keys() == r.scales.keys() and r2.clips.keys() == r.clips.keys()
-        a, b = apply_awq(layer, r), apply_awq(layer, r2)
+        a, b = apply_awq(layer, r, MHA), apply_awq(layer, r2, MHA)
         for attr, _ in LINEAR_NAMES:
             assert torch.equal(getattr(a, attr).dense_weight(), getattr(b, attr).dense_weight())
         assert torch.equal(a.attn_norm, b.attn_norm) and torch.equal(a.ffn_norm, b.ffn_norm)
@@ -232,3 +244,154 @@ def test_search_uses_the_first_samples_holding_search_tokens():
     assert a.losses == b.losses and all(torch.equal(a.scales[k], b.scales[k]) for k in a.scales)
     c = search_layer(layer, GQA, x[:1], cfg)
     assert c.losses != a.losses
+
+
+# --- duo scaling and AutoAWQ's own search ---------------------------------------------------------
+
+
+def test_duo_scales_and_weight_mean_known_answer():
+    x_mean = torch.tensor([4.0, 1.0, 0.25])
+    w_mean = torch.tensor([0.5, 0.5, 0.125])
+    s = awq_scales(x_mean, 0.5, w_mean)
+    raw = x_mean.sqrt() / (w_mean.sqrt() + 1e-4)  # AutoAWQ: x^a / (w^(1-a) + 1e-4), then max * min = 1
+    assert torch.allclose(s, raw / (raw.max() * raw.min()).sqrt())
+    assert torch.allclose(awq_scales(x_mean, 1.0), x_mean / 1.0)  # x^1 / sqrt(4 * 0.25) = x
+    # w_mean: mean over rows (of all the group's linears) of |w| / max |w| of its quantization group
+    ws = {"a": torch.tensor([[1.0, -2.0, 0.5, 0.5]]), "b": torch.tensor([[4.0, 4.0, -1.0, 0.0]])}
+    wm = weight_mean(ws, ScaleGroup("x", ("a", "b"), "n"), 2)
+    assert torch.allclose(wm, torch.tensor([0.75, 1.0, 1.0, 0.5]), atol=1e-5)
+
+
+def _autoawq_quantizer():
+    """AutoAWQ 0.2.9's AwqQuantizer class, its module executed alone with its package's heavy imports stubbed
+    (the search methods use torch only); sys.modules is restored afterwards."""
+    spec = importlib.util.find_spec("awq")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("autoawq is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "quantize" / "quantizer.py"
+    names = ("transformers", "tqdm", "awq", "awq.utils", "awq.utils.calib_data", "awq.utils.utils", "awq.utils.module",
+             "awq.quantize", "awq.quantize.scale", "awq.modules", "awq.modules.linear")
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        stub = types.ModuleType(n)
+        stub.__getattr__ = lambda attr: (lambda *a, **k: None)  # every imported name: a no-op function
+        sys.modules[n] = stub
+    try:
+        loader = importlib.util.spec_from_file_location("_autoawq_quantizer", path)
+        mod = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(mod)
+    finally:
+        for n, m in saved.items():
+            sys.modules.pop(n) if m is None else sys.modules.__setitem__(n, m)
+    q = object.__new__(mod.AwqQuantizer)
+    q.w_bit, q.group_size, q.zero_point, q.duo_scaling = 4, G, True, True
+    q.max_chunk_memory, q.n_parallel_calib_samples = 1 << 30, None
+    return q
+
+
+def _copying_state_dict(module):
+    """AutoAWQ keeps a module's "original" weights as state_dict().cpu(), which on a CPU aliases the parameters
+    that its first candidate then scales in place; it keeps a copy on a GPU, as here."""
+    own = module.state_dict
+    module.state_dict = lambda *a, **k: {n: t.clone() for n, t in own(*a, **k).items()}
+    return module
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, ws):
+        super().__init__()
+        for attr in ("w_gate", "w_up", "w_down"):
+            lin = torch.nn.Linear(ws[attr].shape[1], ws[attr].shape[0], bias=False)
+            lin.weight.data = ws[attr].clone()
+            setattr(self, attr, _copying_state_dict(lin))
+        _copying_state_dict(self)
+
+    def forward(self, h):
+        return self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+def test_scale_and_clip_searches_match_autoawq():
+    """AutoAWQ's own _search_best_scale (duo scaling, its grid and loss) on the MLP and on down_proj alone,
+    and its _compute_best_clip, give fllama's scales and clips."""
+    q = _autoawq_quantizer()
+    layer, cfg = _layer(GQA), AwqConfig(group_size=G, clip_tokens=512)  # AutoAWQ's token sample
+    seen = {}
+    _fwd(layer, GQA, _x(), observer=lambda p, a: seen.__setitem__(p, a))
+    ws = working_weights(layer, torch.float32)
+    mlp = _Mlp(ws)
+    groups = {g.name: g for g in SCALE_GROUPS}
+    for name, linears, module in (("gate_up", [mlp.w_gate, mlp.w_up], mlp), ("down", [mlp.w_down], None)):
+        *_, theirs = q._search_best_scale(mlp, None, linears, seen[name], module2inspect=module)
+        ours, alpha, *_ = search_scale(ws, groups[name], seen[name], loss_fn(name, GQA, seen[name], ws), cfg,
+                                       TiedColumns())
+        assert alpha is not None and torch.allclose(ours, theirs, rtol=1e-5), name
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))  # [N, K]: AutoAWQ takes N % 64 == 0
+    x = seen["down"]  # [T, 128]
+    ours, _, _ = search_clip(w, x, cfg)
+    assert torch.equal(ours, q._compute_best_clip(w, x).reshape(ours.shape))
+
+
+# --- v_proj -> o_proj scaling under GQA -----------------------------------------------------------
+
+
+def test_tied_columns_reduce_and_expand():
+    tie = tied_columns(SCALE_GROUPS[1], GQA)  # 4 query heads, 2 KV heads, head_dim 16
+    assert (tie.copies, tie.block) == (2, 16) and tied_columns(SCALE_GROUPS[1], MHA).copies == 1
+    s = torch.arange(32.0)  # one per v_proj row: KV head j, dim d at j * 16 + d
+    cols = tie.expand(s)  # query head h reads KV head h // 2
+    assert torch.equal(cols.view(4, 16), torch.stack([s[:16], s[:16], s[16:], s[16:]]))
+    assert torch.equal(tie.reduce(cols), s)  # the mean of tied copies
+    assert torch.equal(tie.reduce(torch.cat([torch.zeros(16), torch.full((16,), 2.0), torch.ones(32)])),
+                       torch.cat([torch.ones(16), torch.ones(16)]))
+
+
+def test_gqa_v_to_o_scaling_preserves_the_model():
+    """Scales on v_proj's rows, shared by o_proj's columns of every query head of that KV head, are an exact
+    transform before quantization: the whole model's logits do not move (fp32)."""
+    config = LlamaConfig(64, 2, 4, 2, 128, 300, name="tiny-gqa2")
+    weights = ModelWeights.from_state_dict(config, random_state_dict(config, seed=3))
+    g = torch.Generator().manual_seed(4)
+    scaled = [apply_awq(l, AwqLayerResult(scales={"o": torch.rand(config.kv_size, generator=g) * 4 + 0.1}), config)
+              for l in weights.layers]
+    for before, after in zip(weights.layers, scaled):
+        assert not torch.equal(before.wv.dense_weight(), after.wv.dense_weight())
+        ratio = (after.wo.dense_weight() / before.wo.dense_weight()).view(64, 4, 16)  # [H, heads, d]
+        assert torch.allclose(ratio[:, 0], ratio[:, 1]) and torch.allclose(ratio[:, 2], ratio[:, 3])
+    tokens = torch.randint(0, 300, (2, 24), generator=g)  # [B, S]
+    want = ReferenceModel(weights).forward(tokens)
+    got = ReferenceModel(dataclasses.replace(weights, layers=scaled)).forward(tokens)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_o_scales_are_searched_and_optional():
+    layer, x = _layer(GQA), _x()
+    on = AwqConfig(group_size=G, clip=False, gqa_o_scaling=True)
+    result = search_layer(layer, GQA, x, on)
+    assert result.scales["o"].shape == (GQA.kv_size,)
+    assert result.losses["o"] <= result.losses["o.rtn"]
+    off = search_layer(layer, GQA, x, AwqConfig(group_size=G, clip=False))  # the default under GQA
+    assert off.scales.keys() == {"qkv", "gate_up", "down"}
+    assert "o" in search_layer(_layer(MHA), MHA, x, AwqConfig(group_size=G, clip=False)).scales  # MHA: always
+    again = search_layer(layer, GQA, x, on)  # deterministic
+    assert again.losses == result.losses and all(torch.equal(again.scales[k], result.scales[k]) for k in result.scales)
+
+
+# --- what the next layer is searched on -----------------------------------------------------------
+
+
+def test_layer_input_choices():
+    config = LlamaConfig(64, 2, 4, 2, 128, 300, name="tiny-gqa2")
+    weights = ModelWeights.from_state_dict(config, random_state_dict(config, seed=5))
+    windows = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(6))  # [n, L]
+    qcfg = QuantConfig(scheme=Scheme.AWQ, group_size=G)
+
+    def second_layer_losses(choice):
+        _, report = quantize_awq(weights, qcfg, windows, CaptureConfig(batch=2), AwqConfig(layer_input=choice))
+        return report["layers"][1]["losses"]
+
+    # FLOAT: the next layer is searched on the original model's hidden states
+    h0 = weights.embed[windows]  # [n, L, H]
+    want = search_layer(weights.layers[1], config, _fwd(weights.layers[0], config, h0), AwqConfig(group_size=G))
+    assert second_layer_losses(LayerInput.FLOAT) == pytest.approx(want.losses, rel=1e-4)
+    assert second_layer_losses(LayerInput.QUANTIZED) != second_layer_losses(LayerInput.SCALED)
+    assert AwqConfig(layer_input="quantized").layer_input is LayerInput.QUANTIZED  # as read back from JSON

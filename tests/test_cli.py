@@ -171,12 +171,12 @@ def test_corrupt_and_foreign_checkpoints(capsys, monkeypatch, model_dir, tmp_pat
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
     assert_one_line_error(*fllama(capsys, monkeypatch, "generate", bad, "-p", "x", "--device", "cpu")[::2], "")
-    foreign = tmp_path / "mistral"
+    foreign = tmp_path / "falcon"
     shutil.copytree(model_dir, foreign)
     cfg = json.loads((foreign / "config.json").read_text())
-    cfg["model_type"] = "mistral"
+    cfg["model_type"] = "falcon"
     (foreign / "config.json").write_text(json.dumps(cfg))
-    assert_one_line_error(*fllama(capsys, monkeypatch, "info", foreign)[::2], "mistral")
+    assert_one_line_error(*fllama(capsys, monkeypatch, "info", foreign)[::2], "falcon")
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 7)
     assert_one_line_error(*fllama(capsys, monkeypatch, "info", gguf)[::2], "")

@@ -69,7 +69,8 @@ def test_scheme_of_and_describe():
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv_fast"}, "GEMM"),
     ({"quant_method": "awq", "bits": 3, "group_size": 128}, "3 bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": -1}, "group_size"),
-    ({"quant_method": "gptq", "bits": 4}, "gptq"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
+    ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
 ])
 def test_scheme_of_refuses_what_fllama_cannot_run(cfg, match):
     with pytest.raises(ModelSourceError, match=match):

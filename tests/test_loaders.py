@@ -81,7 +81,7 @@ def test_quantized_checkpoint_keeps_integers_and_scales(tmp_path):
 
 
 # --- HF directory errors -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_type", ["mistral", "gpt2"])
+@pytest.mark.parametrize("model_type", ["qwen2", "gpt2"])
 def test_not_llama_config(tmp_path, model_type):
     write_hf_dir(tmp_path / "m", config_changes={"model_type": model_type}, tokenizer=False)
     with pytest.raises(UnsupportedArchitectureError, match=model_type):

@@ -28,7 +28,7 @@ from kernels_cu.engine.layer import GpuLayer, run_layer
 from kernels_cu.engine.plan import PREFILL, StepPlan, plan_step
 from kernels_cu.engine.sampler import GpuRowSampler, bucket_sampler
 from kernels_cu.int8_gemm import DeferredQuant
-from kernels_cu.rope_kv import rope_kv, rope_table
+from kernels_cu.rope_kv import rope_kv, rope_positions, rope_table
 from kernels_cu.sampling import GpuSampler, StepState
 from kernels_cu.tuning import DEFAULT, Tuning
 from model_zoo.config import LlamaConfig
@@ -60,9 +60,20 @@ class Engine:
             self.norm = weights.norm.to(dev, torch.float16).contiguous()
             self.layers = [GpuLayer.upload(l, dev) for l in weights.layers]
             self.max_len = min(cfg.max_len, self.config.max_positions)
-            self.cos_sin = rope_table(self.config.head_dim, self.config.rope_theta, self.config.max_positions + 1, dev)
+            c = self.config
+            self.cos_sin = rope_table(c.head_dim, c.rope_theta, c.max_positions + 1, dev, c.rope_scaling)
         self._fresh_state()
         build.synchronize()
+        self._check_kv_fits()
+
+    def _check_kv_fits(self) -> None:
+        """One sequence of max_len positions must fit in what the weights leave free (--max-context)."""
+        free, need = torch.cuda.mem_get_info(self._device)[0], self.kv_bytes(1, self.max_len)
+        if need > free:
+            fits = max(free // self.kv_position_bytes() - 1, 0)
+            raise DeviceError(f"a context of {self.max_len:,} positions needs {need / 2**30:.1f} GiB of KV cache per "
+                              f"sequence but {free / 2**30:.1f} GiB are free after the weights: at most {fits:,} "
+                              "positions fit (lower --max-context, or --kv-int8)")
 
     def _fresh_state(self) -> None:
         self._caches: dict[tuple[int, bool], GpuCache] = {}
@@ -155,11 +166,17 @@ class Engine:
         bucket = bucket_of(batch)
         if max_len > self.config.max_positions:
             raise PromptError(f"{max_len} positions exceed the model's context of {self.config.max_positions}")
+        exact = rope_positions(self.config)
+        if max_len > exact:
+            raise PromptError(f"{max_len} positions: the GPU engine runs dynamic NTK RoPE within the model's "
+                              f"max_position_embeddings ({exact}) only; use --device cpu beyond it")
         key = (bucket, scratch)
         cache = self._caches.get(key)
         if cache is None or cache.capacity < max_len:
             self._caches.pop(key, None)  # free the old storage (and its graph) first
             cap = max(max_len, min(self.max_len, self.config.max_positions))
+            if cap > max_len and self.kv_bytes(bucket, cap) > torch.cuda.mem_get_info(self._device)[0]:
+                cap = max_len  # a long --max-context: preallocate only what this batch asks for
             cache = self._caches[key] = alloc_cache(self.config, self.cfg.kv_int8, bucket, cap, self._device)
         cache.lengths.zero_()
         cache.max_len, cache.batch = max_len, batch

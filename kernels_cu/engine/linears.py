@@ -146,4 +146,5 @@ def fuse(linears: list, device: torch.device, swiglu: bool = False) -> Any:
     if isinstance(first, DenseLinear):
         w = torch.cat([l.dense_weight() for l in linears]).to(device, torch.float16)  # [sum N, K]
         return Fp16Op(w.contiguous(), swiglu=swiglu)
-    raise DeviceError(f"the GPU engine cannot run linears of type {type(first).__name__}")
+    raise DeviceError(getattr(first, "gpu_refusal", None)  # a linear that says why the kernels cannot take it
+                      or f"the GPU engine cannot run linears of type {type(first).__name__}")

@@ -18,10 +18,13 @@ import torch
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError, UnsupportedArchitectureError
 from model_zoo.gguf_meta import GGUFTensor, read_gguf
+from model_zoo.rope import RopeScaling, llama3_from_factors
 from model_zoo.loaders.loaded_model import LoadedModel
 from model_zoo.loaders.tensors import check_state_dict, cut_config, wanted
 from model_zoo.tokenizer import Tokenizer
 
+ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1's RoPE scaling, as llama.cpp writes it
+LLAMA3_CONTEXT = 8192  # Llama-3's pre-training context, the llama3 scaling's original_max_position_embeddings
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -53,32 +56,49 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gguf_config(meta: Mapping[str, Any], tensor_names: list[str]) -> LlamaConfig:
-    """LlamaConfig from decoded metadata; refuses what the llama reference model cannot run."""
+def gguf_config(meta: Mapping[str, Any], tensors: list[GGUFTensor]) -> LlamaConfig:
+    """LlamaConfig from decoded metadata (and Llama-3's RoPE frequency factors); refuses what the llama reference
+    model cannot run."""
     try:
         config = LlamaConfig.from_gguf(meta)
     except KeyError as e:
         raise CorruptCheckpointError(f"GGUF metadata lacks {e.args[0]!r}") from None
-    rope_scaling = meta.get("llama.rope.scaling.type", "none")
-    if rope_scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise UnsupportedArchitectureError(f"unsupported RoPE scaling {rope_scaling!r} in the GGUF file: "
-                                           "only plain RoPE is implemented")
     if meta.get("llama.expert_count"):
         raise UnsupportedArchitectureError("mixture-of-experts llama GGUF files are not supported")
-    return config.replace(tie_embeddings="output.weight" not in tensor_names)
+    names = [t.name for t in tensors]
+    if ROPE_FREQS in names:
+        config = config.replace(rope_scaling=_llama3_rope(meta, tensors[names.index(ROPE_FREQS)], config))
+    return config.replace(tie_embeddings="output.weight" not in names)
+
+
+def _llama3_rope(meta: Mapping[str, Any], t: GGUFTensor, config: LlamaConfig) -> RopeScaling:
+    """llama.cpp writes Llama-3.1's RoPE scaling as a divisor per frequency: the llama3 scaling that gives them."""
+    if config.rope_scaling is not None:
+        raise UnsupportedArchitectureError("the GGUF file has both a RoPE scaling type and rope_freqs.weight")
+    factors = torch.from_numpy(np.array(_dequantize(t, config), dtype=np.float32)).reshape(-1)  # [d/2]
+    original = int(meta.get("llama.rope.scaling.original_context_length") or LLAMA3_CONTEXT)
+    scaling = llama3_from_factors(factors, config.head_dim, config.rope_theta, original)
+    if scaling is None:
+        raise UnsupportedArchitectureError("the GGUF file's RoPE frequency factors (rope_freqs.weight) are not "
+                                           "Llama-3's (low/high freq factors 1 and 4); fllama cannot compute them")
+    return scaling
 
 
 def read_gguf_config(path: Path) -> LlamaConfig:
     f = read_gguf(path)
-    return gguf_config(f.meta, f.tensor_names)
+    return gguf_config(f.meta, f.tensors)
 
 
 def load_gguf(path: Path, *, dtype: torch.dtype, n_layers: int | None = None, source: str | None = None,
               kind: str = "gguf") -> LoadedModel:
     f = read_gguf(path)
     meta = f.meta
-    config = cut_config(gguf_config(meta, f.tensor_names), n_layers)
+    config = cut_config(gguf_config(meta, f.tensors), n_layers)
     sd, types = {}, Counter()
+    unknown = [t.name for t in f.tensors if hf_name(t.name) is None and t.name != ROPE_FREQS]
+    if unknown:
+        raise UnsupportedArchitectureError(f"the GGUF file holds tensors a LLaMA model has no place for: "
+                                           f"{', '.join(unknown[:3])} (refusing rather than ignoring them)")
     for t in f.tensors:
         name = hf_name(t.name)
         if name is None or not wanted(name, n_layers):

@@ -13,6 +13,7 @@ from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.loaders.loaded_model import LoadedModel
 from model_zoo.loaders.tensors import cast_floats, check_state_dict, cut_config, stored_dtype, wanted
+from model_zoo.quant.formats import scheme_of
 from model_zoo.tokenizer import Tokenizer
 
 FLLAMA_META = "fllama_meta.json"  # written by fllama's exporter beside config.json
@@ -42,6 +43,7 @@ def load_hf_dir(directory: Path, *, dtype: torch.dtype, n_layers: int | None = N
     config = cut_config(LlamaConfig.from_hf(raw), n_layers)
     stored = read_weights(directory, keep=lambda name: wanted(name, n_layers))
     quant = raw.get("quantization_config")
+    scheme_of(quant)  # a layout fllama cannot run is refused before any tensor is converted
     check_state_dict(config, stored, quantized=quant is not None)
     meta = {"quantization_config": quant, "fllama": _read_optional_json(directory / FLLAMA_META),
             "dtype": stored_dtype(stored), "directory": str(directory)}

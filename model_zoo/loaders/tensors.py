@@ -9,13 +9,17 @@ from typing import Mapping
 import torch
 
 from model_zoo.config import LlamaConfig
-from model_zoo.errors import ConfigError, CorruptCheckpointError
+from model_zoo.errors import ConfigError, CorruptCheckpointError, UnsupportedArchitectureError
 from model_zoo.weights import LINEAR_NAMES, ModelWeights
 
 # Quantization scales keep their stored dtype (fp16 in AWQ / compressed-tensors checkpoints).
 SCALE_SUFFIXES = (".weight_scale", ".scales", ".input_scale")
-# Buffers some old checkpoints carry that are not parameters of the model.
+# Buffers some old checkpoints carry that are not parameters of the model (RoPE comes from the config).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# What a quantized linear may store (int8: weight, weight_scale, input_scale, weight_zero_point; AWQ / GPTQ:
+# qweight, qzeros, scales, g_idx); the scheme's factory checks which are there and their shapes.
+QUANT_LINEAR_SUFFIXES = (".weight", ".weight_scale", ".input_scale", ".weight_zero_point", ".qweight", ".qzeros",
+                         ".scales", ".g_idx")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -63,6 +67,7 @@ def check_state_dict(config: LlamaConfig, sd: Mapping[str, torch.Tensor], quanti
         missing, extra = sorted(expected - found), sorted(found - expected)
         what = f"lacks layers {_span(missing)}" if missing else f"has extra layers {_span(extra)}"
         raise CorruptCheckpointError(f"the checkpoint {what}; the config says {config.n_layers} layers")
+    check_all_used(config, sd, quantized)
     if not quantized:
         ModelWeights.from_state_dict(config, sd)  # checks presence and every shape
         return
@@ -77,6 +82,32 @@ def check_state_dict(config: LlamaConfig, sd: Mapping[str, torch.Tensor], quanti
     for name in names:
         if name not in sd:
             raise CorruptCheckpointError(f"checkpoint lacks the tensor {name!r}")
+
+
+def check_all_used(config: LlamaConfig, sd: Mapping[str, torch.Tensor], quantized: bool) -> None:
+    """UnsupportedArchitectureError naming any tensor the model would drop: one LLaMA has no place for, a
+    non-zero linear bias, or a tied checkpoint's lm_head.weight that differs from the embedding."""
+    known = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    suffixes = QUANT_LINEAR_SUFFIXES if quantized else (".weight",)
+    for i in range(config.n_layers):
+        p = f"model.layers.{i}."
+        known |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        for _, path in LINEAR_NAMES:
+            known |= {p + path + s for s in suffixes}
+            bias = sd.get(p + path + ".bias")
+            if bias is not None and bool((bias != 0).any()):
+                raise UnsupportedArchitectureError(f"the checkpoint holds a non-zero bias {p + path}.bias; fllama's "
+                                                   "linears have none (refusing rather than dropping it)")
+            known.add(p + path + ".bias")  # all zeros: computing without it is exact
+    unknown = sorted(set(sd) - known)
+    if unknown:
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise UnsupportedArchitectureError(f"the checkpoint holds tensors a LLaMA model has no place for: "
+                                           f"{', '.join(unknown[:3])}{more} (refusing rather than ignoring them)")
+    head, embed = sd.get("lm_head.weight"), sd.get("model.embed_tokens.weight")
+    if config.tie_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        raise UnsupportedArchitectureError("tie_word_embeddings is true but the checkpoint's lm_head.weight differs "
+                                           "from model.embed_tokens.weight")
 
 
 def _span(ids: list[int]) -> str:

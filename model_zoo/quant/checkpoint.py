@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from model_zoo.load import load_model
-from model_zoo.quant.formats import Scheme, load_quantized_weights, scheme_of
+from model_zoo.quant.formats import Scheme, describe_quantization, load_quantized_weights, scheme_of
 from model_zoo.quant.int8 import dequantize_weight_int8, quantize_weight_int8
 from model_zoo.weights import ModelWeights
 
@@ -26,6 +26,14 @@ def build_weights(loaded: Any, dtype: torch.dtype, device: str = "cpu") -> Model
 def int8_round_trip(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] through the int8 lm_head's codes and scales (model_zoo.quant.int8, one scale per row) and back."""
     return dequantize_weight_int8(*quantize_weight_int8(w), dtype=w.dtype)
+
+
+def _format_line(qcfg: Any) -> str | None:
+    """The stored layout when it is not the scheme's own (a GPTQ checkpoint runs as AWQ int4)."""
+    d = describe_quantization(qcfg)
+    if "format" not in d:
+        return None
+    return f"{d['format']} (group {d['group_size']}, {'sym' if d['sym'] else 'asym'}, desc_act {d['desc_act']})"
 
 
 def describe_model(source: str | None, random: bool = False) -> dict:
@@ -50,9 +58,12 @@ def describe_model(source: str | None, random: bool = False) -> dict:
         "vocab_size": c.vocab_size,
         "context": c.max_positions,
         "rope_theta": c.rope_theta,
+        "rope_scaling": None if c.rope_scaling is None else c.rope_scaling.describe(),
+        "sliding_window": c.sliding_window,
         "tied_embeddings": c.tie_embeddings,
         "parameters": c.n_params(),
         "scheme": scheme_of(qcfg).value,
+        "quant_format": _format_line(qcfg),
         "stored_dtype": loaded.meta.get("dtype"),
         "weight_bytes": weights.nbytes(),
         "quantization_config": qcfg,

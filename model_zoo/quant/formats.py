@@ -3,7 +3,8 @@
 INT8 W8A8 is compressed-tensors "int-quantized" (vLLM, transformers): `{m}.weight` int8 [N, K],
 `{m}.weight_scale` [N, 1] with W ~ weight * weight_scale, and for static activations `{m}.input_scale` [1].
 AWQ W4A16 is AutoAWQ's GEMM layout: `{m}.qweight` int32 [K, N/8], `{m}.qzeros` int32 [K/G, N/8],
-`{m}.scales` fp16 [K/G, N]. The config.json `quantization_config` says which; the file name never does.
+`{m}.scales` fp16 [K/G, N]. GPTQ int4 (model_zoo/quant/gptq.py) is read onto the AWQ layout, so it is the AWQ
+scheme to the engine. The config.json `quantization_config` says which; the file name never does.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.linear import DenseLinear, Linear
+from model_zoo.quant.gptq import describe_gptq, gptq_linear, parse_gptq_layout
 from model_zoo.quant.int8 import QMAX, ActQuant
 from model_zoo.quant.linear import AwqLinear, Int8Linear
 from model_zoo.weights import LinearFactory, ModelWeights, dense_factory
@@ -73,8 +75,11 @@ def scheme_of(quantization_config: Mapping[str, Any] | None) -> Scheme:
     if method == "awq":
         parse_awq_layout(quantization_config)
         return Scheme.AWQ
+    if method == "gptq":
+        parse_gptq_layout(quantization_config)
+        return Scheme.AWQ  # the same int4 groups, re-packed at load
     raise ModelSourceError(f"unsupported quantization method {method or '(none)'!r}; fllama runs fp16, "
-                           "compressed-tensors int8 (W8A8) and AWQ GEMM checkpoints")
+                           "compressed-tensors int8 (W8A8), AWQ GEMM and GPTQ int4 checkpoints")
 
 
 def describe_quantization(quantization_config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -83,9 +88,15 @@ def describe_quantization(quantization_config: Mapping[str, Any] | None) -> dict
     if scheme is Scheme.INT8:
         layout = parse_int8_layout(quantization_config)
         return {"scheme": scheme.value, "act": sorted({g.act.value for g in layout.groups})}
+    if scheme is Scheme.AWQ and _is_gptq(quantization_config):
+        return {"scheme": scheme.value, **describe_gptq(parse_gptq_layout(quantization_config))}
     if scheme is Scheme.AWQ:
         return {"scheme": scheme.value, "group_size": parse_awq_layout(quantization_config).group_size}
     return {"scheme": scheme.value}
+
+
+def _is_gptq(qc: Mapping[str, Any] | None) -> bool:
+    return bool(qc) and str(qc.get("quant_method", "")).lower() == "gptq"
 
 
 def parse_int8_layout(qc: Mapping[str, Any]) -> Int8Layout:
@@ -173,6 +184,9 @@ def linear_factory_for(scheme: Scheme, quantization_config: Mapping[str, Any] | 
     if scheme is Scheme.INT8:
         layout = parse_int8_layout(quantization_config)
         return lambda prefix, sd: _int8_linear(prefix, sd, layout.act_for(prefix))
+    if _is_gptq(quantization_config):  # modules stored without a qweight were left dense by the quantizer
+        gptq = parse_gptq_layout(quantization_config)
+        return lambda prefix, sd: gptq_linear(prefix, sd, gptq) if prefix + ".qweight" in sd else _dense(prefix, sd)
     awq = parse_awq_layout(quantization_config)
     return lambda prefix, sd: _awq_linear(prefix, sd, awq.group_size) if awq.quantized(prefix) else _dense(prefix, sd)
 

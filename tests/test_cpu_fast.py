@@ -1,0 +1,237 @@
+"""The CPU backend (model_zoo/cpu_fast.py) against the reference model: logits equal to fp32 rounding, the same
+greedy tokens, int8 outputs bit for bit, quantized weights prepared at load and not at the first forward."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model_zoo.cpu_fast as cpu_fast
+from model_zoo.config import LlamaConfig
+from model_zoo.cpu_fast import CpuModel, DenseOp, Int8Op, SplitOp, default_threads, make_op
+from model_zoo.errors import ConfigError, PromptError
+from model_zoo.generation import GenerationConfig, generate
+from model_zoo.quant.linear import ActQuant, AwqLinear, Int8Linear
+from model_zoo.reference import ReferenceModel, rms_norm
+from model_zoo.sampling import SamplingConfig
+from model_zoo.weights import ModelWeights, random_state_dict
+from tests._fixtures_loaders import SMOLLM2, needs_smollm2
+from tests.helpers import TINY, byte_tokenizer, rel_err
+
+CONFIGS = {
+    "gqa": LlamaConfig(96, 3, 6, 2, 160, 131, rope_theta=500000.0, norm_eps=1e-5, max_positions=128),
+    "mha_untied": LlamaConfig(64, 2, 4, 4, 128, 97, max_positions=128, tie_embeddings=False),
+    "head_dim": LlamaConfig(64, 2, 2, 1, 64, 61, head_dim=48, rope_theta=20000.0, max_positions=128),
+}
+SCHEMES = ("fp16", "int8", "int8-static", "int8-static-split", "awq")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The reference on one thread too: on a busy 2-core machine each threaded GEMM waits for a descheduled
+    thread (cpu_fast.default_threads), which made this file 5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def quantized(weights: ModelWeights, scheme: str) -> ModelWeights:
+    """The weights as a checkpoint of `scheme` holds them (int8: per-channel codes; awq: RTN int4, group 32).
+    int8-static: one calibrated amax per capture point, as checkpoints share it; -split: one per linear."""
+    if scheme == "fp16":
+        return weights
+    layers = []
+    for layer in weights.layers:
+        lin = {}
+        for i, (attr, l) in enumerate(layer.linears().items()):
+            w = l.dense_weight()
+            if scheme == "awq":
+                lin[attr] = AwqLinear.from_dense(w, 32)
+            elif scheme == "int8":
+                lin[attr] = Int8Linear.from_dense(w, ActQuant.DYNAMIC, scale_dtype=torch.float16)
+            else:
+                amax = 3.0 + (0.25 * i if scheme.endswith("split") else 0.0)
+                lin[attr] = Int8Linear.from_dense(w, ActQuant.STATIC, amax)
+        layers.append(replace(layer, **lin))
+    return replace(weights, layers=layers, meta={"scheme": scheme.split("-")[0]})
+
+
+def pair(config: LlamaConfig, scheme: str = "fp16", seed: int = 0) -> tuple[ReferenceModel, CpuModel]:
+    weights = quantized(ModelWeights.from_state_dict(config, random_state_dict(config, seed=seed)), scheme)
+    return ReferenceModel(weights), CpuModel(weights, threads=1)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, scheme: str) -> None:
+    # fp32 GEMVs in another summation order; int8 adds a rare activation code one step away on a rounding tie
+    tol = 1e-5 if scheme in ("fp16", "awq") else 2e-3
+    assert rel_err(got, want) < tol
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_full_forward_matches_reference(name, scheme):
+    ref, fast = pair(CONFIGS[name], scheme, seed=len(name))
+    tokens = torch.randint(0, ref.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    close(fast.forward(tokens), ref.forward(tokens), scheme)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8"])
+def test_cached_prefill_and_decode_match_reference(scheme):
+    ref, fast = pair(CONFIGS["gqa"], scheme, seed=5)
+    tokens = torch.randint(0, 131, (2, 16), generator=torch.Generator().manual_seed(2))
+    caches = ref.new_cache(2, 24), fast.new_cache(2, 24)
+    close(fast.forward(tokens[:, :9], caches[1]), ref.forward(tokens[:, :9], caches[0]), scheme)
+    for i in range(9, 16):
+        close(fast.forward(tokens[:, i:i + 1], caches[1]), ref.forward(tokens[:, i:i + 1], caches[0]), scheme)
+    assert caches[1].lengths.tolist() == [16, 16]
+    close(caches[1].k[1], caches[0].k[1], scheme)  # the cache holds what the reference's holds
+
+
+def test_ragged_rows_gathered_rows_and_continued_prompts():
+    """Rows at different positions (mask), rows out of order (gather), a multi-token chunk after a cached
+    prefix (a chat turn): each as the reference computes it."""
+    ref, fast = pair(CONFIGS["head_dim"], seed=7)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 61, (1, 11), generator=g), torch.randint(0, 61, (1, 5), generator=g)
+    runs = []
+    for model in (ref, fast):
+        cache = model.new_cache(3, 32)
+        model.forward(a, cache, torch.tensor([0]))
+        model.forward(b, cache, torch.tensor([2]))
+        step = model.forward(torch.tensor([[4], [9]]), cache, torch.tensor([2, 0]))  # [2, 1, V]
+        turn = model.forward(torch.tensor([[1, 2, 3, 5]]), cache, torch.tensor([2]))  # starts at 6
+        runs.append((step, turn, cache.lengths.tolist()))
+    assert runs[1][2] == runs[0][2] == [12, 0, 10]
+    assert rel_err(runs[1][0], runs[0][0]) < 1e-5 and rel_err(runs[1][1], runs[0][1]) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "awq"])
+def test_greedy_tokens_equal_the_reference(scheme):
+    ref, fast = pair(TINY, scheme, seed=11)
+    tok = byte_tokenizer(TINY.vocab_size)
+    prompts = [[5, 17, 33, 2, 90, 41, 7], [8, 64]]  # ragged: a batch decodes rows at different positions
+    cfg = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    want = [r.tokens for r in generate(ref, tok, prompts, cfg)[0]]
+    assert [r.tokens for r in generate(fast, tok, prompts, cfg)[0]] == want
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_op_equals_int8_linear_bit_for_bit(static):
+    """One fused op of three Int8Linears gives each one's outputs exactly (exact int32 accumulation)."""
+    g = torch.Generator().manual_seed(4)
+    act, amax = (ActQuant.STATIC, 2.5) if static else (ActQuant.DYNAMIC, None)
+    lins = [Int8Linear.from_dense(torch.randn(n, 1536, generator=g), act, amax) for n in (96, 32, 32)]
+    x = torch.randn(7, 1536, generator=g) * 3  # K = 1536: past fp32's exact 2^24 for a single product sum
+    op = make_op(lins, torch.float32)
+    assert isinstance(op, Int8Op)
+    assert torch.equal(op(x), torch.cat([lin(x) for lin in lins], dim=-1))
+
+
+def test_linears_that_cannot_share_a_weight_run_side_by_side():
+    g = torch.Generator().manual_seed(6)
+    w = [torch.randn(16, 32, generator=g) for _ in range(2)]
+    lins = [Int8Linear.from_dense(w[0], ActQuant.STATIC, 1.0), Int8Linear.from_dense(w[1], ActQuant.STATIC, 2.0)]
+    op = make_op(lins, torch.float32)
+    x = torch.randn(3, 32, generator=g)
+    assert isinstance(op, SplitOp) and torch.equal(op(x), torch.cat([lins[0](x), lins[1](x)], dim=-1))
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
+def test_dense_layout_by_shape(shape):
+    """Wide outputs stored transposed, narrow ones as they are; the same product either way."""
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(*shape, generator=g), torch.randn(2, shape[1], generator=g)
+    op = DenseOp([w], torch.float32)
+    assert op.transposed == (shape[0] >= shape[1])
+    torch.testing.assert_close(op(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_fp32_norm_is_the_reference_norm_bit_for_bit():
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 576, generator=g) * 7, torch.randn(576, generator=g)
+    assert torch.equal(cpu_fast._norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+
+
+def test_quantized_weights_are_prepared_at_load_not_at_the_first_forward(monkeypatch):
+    """AWQ is dequantized when the model is built (load time); forward dequantizes nothing, and the int8 codes
+    are never widened to fp32 (the reference's lazy copy stays unmade)."""
+    calls = []
+    real = cpu_fast.dequantize_awq
+    monkeypatch.setattr(cpu_fast, "dequantize_awq", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = CONFIGS["gqa"]
+    dense = ModelWeights.from_state_dict(config, random_state_dict(config, seed=1))
+    awq = CpuModel(quantized(dense, "awq"), threads=1)
+    assert len(calls) == 7 * config.n_layers
+    int8_weights = quantized(dense, "int8")
+    int8 = CpuModel(int8_weights, threads=1)
+    tokens = torch.randint(0, config.vocab_size, (1, 6))
+    awq.forward(tokens)
+    int8.forward(tokens)
+    assert len(calls) == 7 * config.n_layers
+    assert all(lin._qweight_f is None for layer in int8_weights.layers for lin in layer.linears().values())
+
+
+def test_threads_are_set_for_each_call_and_restored():
+    ref, fast = pair(CONFIGS["mha_untied"])
+    torch.set_num_threads(2)
+    fast.forward(torch.tensor([[1, 2, 3]]))
+    assert torch.get_num_threads() == 2 and fast.threads == 1
+    assert 1 <= default_threads() <= max(1, torch.get_num_threads())
+    with pytest.raises(ConfigError, match="threads"):
+        CpuModel(ref.weights, threads=0)
+
+
+@pytest.mark.parametrize("bad", [-1, 97])
+def test_token_ids_outside_the_vocabulary_are_refused(bad):
+    _, fast = pair(CONFIGS["mha_untied"])
+    with pytest.raises(PromptError, match=str(bad)):
+        fast.forward(torch.tensor([[1, bad]]))
+
+
+@needs_smollm2
+def test_smollm2_greedy_tokens_equal_the_reference():
+    """The default model: the fast backend's greedy reply, teacher-forced through the reference's full forward,
+    is the reference's argmax at every position, and the logits agree to fp32 rounding."""
+    from model_zoo.load import load_model
+    from model_zoo.quant.checkpoint import build_weights
+
+    loaded = load_model(str(SMOLLM2), dtype=torch.float32)
+    weights = build_weights(loaded, torch.float32, "cpu")
+    fast = CpuModel(weights)
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    reply = generate(fast, loaded.tokenizer, [prompt], cfg)[0][0].tokens
+    tokens = torch.tensor([prompt + reply])
+    want = ReferenceModel(weights).forward(tokens)[0, len(prompt) - 1:-1]  # [16, V]
+    assert want.argmax(-1).tolist() == reply
+    assert rel_err(fast.forward(tokens)[0, len(prompt) - 1:-1], want) < 1e-5
+
+
+def test_open_model_prepares_an_awq_checkpoint_at_load(tmp_path_factory, monkeypatch):
+    """`fllama generate --device cpu` on an AWQ checkpoint: the dequantization happens in open_model (reported
+    as load), none in the generation that follows."""
+    from calibrate.pipeline import QuantizeJob, run_quantize
+    from calibrate.quantize import AwqMethod, QuantConfig
+    from fllama_cli.options import DeviceChoice
+    from fllama_cli.runtime import open_model
+    from model_zoo.quant.formats import Scheme
+    from tests.helpers import tiny_hf_dir
+
+    config = LlamaConfig(64, 2, 4, 2, 128, 512, max_positions=256, name="cpu-tiny")  # a trainable vocabulary
+    src = tiny_hf_dir(tmp_path_factory, config)
+    out = tmp_path_factory.mktemp("awq") / "ck"
+    run_quantize(QuantizeJob(str(src), out, QuantConfig(Scheme.AWQ, group_size=32, awq_method=AwqMethod.RTN),
+                             device="cpu"))
+    calls = []
+    real = cpu_fast.dequantize_awq
+    monkeypatch.setattr(cpu_fast, "dequantize_awq", lambda *a, **k: calls.append(1) or real(*a, **k))
+    opened = open_model(str(out), device=DeviceChoice.cpu)
+    assert isinstance(opened.backend, CpuModel) and opened.backend.scheme == "awq"
+    assert len(calls) == 7 * config.n_layers and opened.load_s > 0 and "load" in opened.describe()
+    cfg = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    generate(opened.backend, opened.tokenizer, [opened.tokenizer.encode("hello")], cfg)
+    assert len(calls) == 7 * config.n_layers
