@@ -23,6 +23,12 @@ class LayerInput(str, Enum):
     QUANTIZED = "quantized"  # as the checkpoint holds them: the inputs the next layer will see
 
 
+class ClipObjective(str, Enum):
+    """What the clip search minimizes for each output row of a linear: the output error of ..."""
+    GROUP = "group"  # each group of G inputs on its own, groups chosen independently (AutoAWQ)
+    ROW = "row"  # the whole row, all its groups together: groups revisited in turn, each given the others
+
+
 @dataclass(frozen=True)
 class AwqConfig:
     group_size: int = 128
@@ -32,9 +38,13 @@ class AwqConfig:
     # v_proj -> o_proj scales under GQA, shared by the query heads of a KV head (MHA models always get o scales):
     # exact and cheap, but no measurable gain on SmolLM2-135M (docs/quality.md), so off by default
     gqa_o_scaling: bool = False
+    # candidates are judged with each group's quantization step rounded to fp16, as the checkpoint stores it
+    # (AutoAWQ on a GPU computes in fp16 too); False: fp32 steps, as AutoAWQ on a CPU in fp32
+    fp16_steps: bool = True
     clip: bool = True  # weight-clipping search
     clip_grid: int = 20  # shrink ratios 1 - i/clip_grid ...
     max_shrink: float = 0.5  # ... for i < max_shrink * clip_grid: 1.0 down to 0.55 (AutoAWQ)
+    clip_objective: ClipObjective = ClipObjective.ROW
     clip_tokens: int = 4096  # tokens (strided over the captured ones) for the clip search; AutoAWQ takes 512
     search_tokens: int = 4096  # the scale search uses the first samples that hold this many tokens
     layer_input: LayerInput = LayerInput.SCALED
@@ -44,8 +54,13 @@ class AwqConfig:
             if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
                 raise ConfigError(f"AWQ {name} must be a positive integer, got {getattr(self, name)}")
         object.__setattr__(self, "layer_input", LayerInput(self.layer_input))  # a name read back from JSON
+        object.__setattr__(self, "clip_objective", ClipObjective(self.clip_objective))
         if not 0.0 <= self.max_shrink < 1.0:
             raise ConfigError(f"AWQ max_shrink must be in [0, 1), got {self.max_shrink}")
+
+    @property
+    def step_dtype(self) -> torch.dtype | None:
+        return torch.float16 if self.fp16_steps else None
 
     @property
     def shrink_ratios(self) -> list[float]:

@@ -11,30 +11,35 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from calibrate.awq_config import AwqConfig, AwqLayerResult
+from calibrate.outputs import OutputKind, prepare_output, set_ordinary_mode, temp_prefix
 from model_zoo.errors import CorruptCheckpointError
 
 FORMAT = "fllama.awq_search"
-FORMAT_VERSION = 2  # 2: scales["o"] per v_proj row (GQA), alphas may be null (round-to-nearest won)
+FORMAT_VERSION = 3  # 3: clip_objective, clip losses per output row; 2: scales["o"] per v_proj row, null alphas
 META_KEY = "fllama"
 
 
 def save_awq_results(path: str | Path, layers: Sequence[AwqLayerResult], cfg: AwqConfig,
-                     meta: dict[str, Any] | None = None) -> None:
+                     meta: dict[str, Any] | None = None, force: bool = False) -> None:
     """One safetensors file: layers.{i}.scales.{group} and layers.{i}.clips.{attr}; losses, alphas and
-    the AwqConfig in the JSON metadata. Written to a temporary file and renamed."""
+    the AwqConfig in the JSON metadata. Written to a temporary file and renamed; an existing file is replaced
+    only with force."""
     from safetensors.torch import save_file
 
+    path = Path(path)
+    prepare_output(path, OutputKind.FILE, force)  # also removes what killed runs left beside it
+    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for i, r in enumerate(layers):
         for kind, d in (("scales", r.scales), ("clips", r.clips)):
             tensors.update({f"layers.{i}.{kind}.{n}": t.detach().cpu().float().contiguous() for n, t in d.items()})
     info = {"format": FORMAT, "version": FORMAT_VERSION, "awq": asdict(cfg), "n_layers": len(layers),
             "layers": [{"losses": r.losses, "alphas": r.alphas} for r in layers], **(meta or {})}
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")  # cleaned if killed
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={META_KEY: json.dumps(info)})
+        set_ordinary_mode(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -58,8 +63,10 @@ def load_awq_results(path: str | Path) -> AwqResults:
         info = json.loads(raw) if raw else {}
     except (OSError, ValueError, SafetensorError) as e:
         raise CorruptCheckpointError(f"cannot read AWQ search results {path}: {e}") from None
-    if info.get("format") != FORMAT or info.get("version") != FORMAT_VERSION:
+    if info.get("format") != FORMAT or info.get("version") not in (2, FORMAT_VERSION):
         raise CorruptCheckpointError(f"{path} is not an fllama AWQ search file (format {FORMAT} v{FORMAT_VERSION})")
+    if info["version"] == 2:  # searched before the row objective existed
+        info["awq"] = {**info["awq"], "clip_objective": "group"}
     layers = [AwqLayerResult(losses=dict(d["losses"]), alphas=dict(d["alphas"])) for d in info["layers"]]
     for key, t in tensors.items():
         parts = key.split(".")

@@ -77,7 +77,7 @@ def search_scale(ws: Weights, group: ScaleGroup, x_in: torch.Tensor, loss_fn: Lo
     w_mean = tie.reduce(weight_mean(ws, group, cfg.group_size)) if cfg.duo_scaling else None  # [K']
     trial = dict(ws)
     for a in group.linears:
-        trial[a] = fake_quant_groups(ws[a], cfg.group_size, zero_point=cfg.zero_point)
+        trial[a] = fake_quant_groups(ws[a], cfg.group_size, zero_point=cfg.zero_point, scale_dtype=cfg.step_dtype)
     rtn = _finite(loss_fn(trial))
     # s = 1 is always a candidate, so the search never loses to round-to-nearest on its own data; without
     # duo scaling it is alpha 0, with it no alpha (None)
@@ -89,7 +89,8 @@ def search_scale(ws: Weights, group: ScaleGroup, x_in: torch.Tensor, loss_fn: Lo
         s = awq_scales(x_mean, alpha, w_mean)  # [K']
         sk = tie.expand(s)  # [K]
         for a in group.linears:
-            trial[a] = fake_quant_groups(ws[a] * sk, cfg.group_size, zero_point=cfg.zero_point) / sk  # [N, K]
+            trial[a] = fake_quant_groups(ws[a] * sk, cfg.group_size, zero_point=cfg.zero_point,
+                                         scale_dtype=cfg.step_dtype) / sk  # [N, K]
         loss = _finite(loss_fn(trial))
         if loss < best[0]:
             best = (loss, alpha, s)

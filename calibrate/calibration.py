@@ -1,4 +1,5 @@
-"""Calibration end to end: text -> windows -> layer-by-layer capture -> CalibStats, and the range report."""
+"""Calibration end to end: text -> windows -> layer-by-layer capture -> CalibStats, and the range report (each
+method's range and its error on the int8 and the fp8 e4m3 grids)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from calibrate.capture import CaptureConfig, Progress, capture_stats
-from calibrate.methods import CalibConfig, CalibMethod
-from calibrate.ranges import compute_amax, sqnr_db_from_hist
+from calibrate.methods import CalibConfig, CalibMethod, QuantGrid
+from calibrate.ranges import compute_amax, scale_from_amax, sqnr_db_from_hist
 from calibrate.stats import CalibStats, make_meta
 from model_zoo.errors import ConfigError, TextSourceError
 from model_zoo.text_sources import load_text, token_windows
@@ -49,14 +50,19 @@ def calibrate_model(weights: ModelWeights, windows: torch.Tensor, data: DataConf
     return CalibStats(points=points, meta=meta)
 
 
-def range_report(stats: CalibStats, calib: CalibConfig) -> dict[str, dict[str, dict[str, float]]]:
-    """point -> method -> {"amax", "scale", "sqnr_db"}; the SQNR of int8 fake-quantization with that amax,
-    computed over the histogram (each |x| at its bin centre)."""
-    report: dict[str, dict[str, dict[str, float]]] = {}
+def range_report(stats: CalibStats, calib: CalibConfig) -> dict[str, dict[str, dict]]:
+    """point -> method -> {"amax", "scale", "sqnr_db", "fp8": {"amax", "scale", "sqnr_db"}}: each method's range
+    judged on int8's grid (top level) and on e4m3's (MSE and entropy choose differently there; max and percentile
+    do not depend on the grid), with the SQNR that grid gives, computed over the histogram."""
+    report: dict[str, dict[str, dict]] = {}
     for name, p in stats.points.items():
         row = {}
         for m in calib.methods:
-            amax = p.amax if m is CalibMethod.MAX else compute_amax(m, p.hist, p.edges, calib)
-            row[m.value] = {"amax": amax, "scale": amax / 127.0, "sqnr_db": sqnr_db_from_hist(p.hist, p.edges, amax)}
+            entry = {}
+            for grid in QuantGrid:
+                amax = p.amax if m is CalibMethod.MAX else compute_amax(m, p.hist, p.edges, calib, grid)
+                entry[grid] = {"amax": amax, "scale": float(scale_from_amax(amax, grid)),
+                               "sqnr_db": sqnr_db_from_hist(p.hist, p.edges, amax, grid)}
+            row[m.value] = {**entry[QuantGrid.INT8], "fp8": entry[QuantGrid.FP8]}
         report[name] = row
     return report

@@ -41,10 +41,10 @@ def checkpoint_tensors(weights: ModelWeights, dtype: torch.dtype = torch.float16
 
 def checkpoint_bytes(config: LlamaConfig, scheme: Scheme, group_size: int | None = None) -> int:
     """About what write_checkpoint writes (within a few per cent): fp16 embeddings and norms, the linears as the
-    scheme stores them (int8 codes + a scale per row; int4 + a scale and a zero per group)."""
+    scheme stores them (int8 / fp8 codes + a scale per row; int4 + a scale and a zero per group)."""
     linear = config.n_params() - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
     rest = config.n_params() - linear
-    per_weight = {Scheme.INT8: 1.0, Scheme.AWQ: 0.5 + 2.5 / (group_size or 128)}.get(scheme, 2.0)
+    per_weight = {Scheme.INT8: 1.0, Scheme.FP8: 1.0, Scheme.AWQ: 0.5 + 2.5 / (group_size or 128)}.get(scheme, 2.0)
     return int(2 * rest + per_weight * linear) + 2**20  # + configs and tokenizer files
 
 

@@ -31,6 +31,13 @@ class CalibMethod(str, Enum):
 ALL_METHODS: tuple[CalibMethod, ...] = tuple(CalibMethod)
 
 
+class QuantGrid(str, Enum):
+    """The number grid a range is judged on: MSE and entropy depend on it, max and percentile do not."""
+
+    INT8 = "int8"  # 255 uniform levels, scale amax / 127
+    FP8 = "fp8"  # float8 e4m3: relative steps, subnormals near zero, saturation at 448; scale amax / 448
+
+
 @dataclass(frozen=True)
 class CalibConfig:
     """Which method(s) to apply and their parameters; defaults are pytorch-quantization's."""

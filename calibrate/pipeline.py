@@ -15,7 +15,8 @@ from calibrate.capture import CaptureConfig, capture_stats
 from calibrate.export import checkpoint_bytes, write_checkpoint
 from calibrate.methods import CalibConfig
 from calibrate.outputs import OutputKind, check_free_space, prepare_output
-from calibrate.quantize import AwqMethod, QuantConfig, quantization_config_for, quantize_awq, quantize_int8
+from calibrate.quantize import (AwqMethod, QuantConfig, quantization_config_for, quantize_awq, quantize_fp8,
+                                quantize_int8)
 from calibrate.stats import CalibStats, PointStats, fllama_version
 from model_zoo.backend import check_token_ids
 from model_zoo.errors import ConfigError, DeviceError
@@ -119,8 +120,8 @@ class QuantizeJob:
             raise ConfigError("--act static and --smooth need calibration stats: run `fllama calibrate -o "
                               "stats.safetensors` and pass --stats stats.safetensors")
         if self.stats is not None and not self.quant.needs_stats:
-            raise ConfigError("--stats is read by --scheme int8 with --act static or --smooth only; it does "
-                              "nothing here")
+            raise ConfigError("--stats is read by --scheme int8 / fp8 with --act static or --smooth only; it "
+                              "does nothing here")
         given = [f"--{n.replace('_', '-')}" for n in ("data", "samples", "seq_len") if getattr(self, n) is not None]
         if given and not self.quant.reads_text:
             raise ConfigError(f"{', '.join(given)}: no calibration text is read here (only the AWQ search and "
@@ -173,9 +174,10 @@ def _quantize(job: QuantizeJob, weights: ModelWeights, loaded: Any, stats: Calib
             progress(f"{stage} layers", i + 1, n)
 
     cfg = job.quant
-    if cfg.scheme == Scheme.INT8:
+    if cfg.scheme in (Scheme.INT8, Scheme.FP8):
         recapture = _recapturer(loaded, data, stats, cap, progress)
-        return quantize_int8(weights, cfg, stats, recapture, layers_done), {}
+        w8a8 = quantize_int8 if cfg.scheme == Scheme.INT8 else quantize_fp8
+        return w8a8(weights, cfg, stats, recapture, layers_done), {}
     if cfg.scheme == Scheme.AWQ:
         windows = _windows(loaded, data) if cfg.awq_method == AwqMethod.AWQ else None  # [samples, seq_len]
         return quantize_awq(weights, cfg, windows, cap, progress=layers_done)

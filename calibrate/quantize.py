@@ -1,4 +1,4 @@
-"""Quantize a model layer by layer: per-channel INT8 (W8A8, optional SmoothQuant, dynamic or static
+"""Quantize a model layer by layer: per-channel INT8 or FP8 E4M3 (W8A8, optional SmoothQuant, dynamic or static
 activations) or AWQ int4 (activation-aware scale + clip search, or plain round-to-nearest)."""
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ import torch
 
 from calibrate.awq import AwqConfig, LayerInput, apply_awq, check_group_size, search_layer, valid_group_sizes
 from calibrate.capture import CaptureConfig, LayerwiseRunner
-from calibrate.methods import CalibConfig, CalibMethod
-from calibrate.ranges import compute_amax
+from calibrate.methods import CalibConfig, CalibMethod, QuantGrid
+from calibrate.ranges import compute_amax, scale_from_amax
 from calibrate.smoothquant import apply_smoothing
 from calibrate.stats import CalibStats, PointStats
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
-from model_zoo.quant.formats import Scheme, amax_as_stored, awq_quantization_config, int8_quantization_config
+from model_zoo.quant.formats import (Scheme, amax_as_stored, awq_quantization_config, fp8_quantization_config,
+                                     int8_quantization_config)
 from model_zoo.quant.int8 import ActQuant
-from model_zoo.quant.linear import AwqLinear, Int8Linear
+from model_zoo.quant.linear import AwqLinear, Fp8Linear, Int8Linear
 from model_zoo.weights import ModelWeights
 
 # which capture point feeds each linear
@@ -32,6 +33,11 @@ class AwqMethod(str, Enum):
     RTN = "rtn"  # plain round-to-nearest per group (the baseline AWQ must beat)
 
 
+W8A8 = (Scheme.INT8, Scheme.FP8)  # the schemes with activation quantization (static scales, SmoothQuant)
+# --act static without --calibrator (docs/quality.md): MSE is int8's best by far; on e4m3's grid max, MSE and
+# entropy come within a point of each other and max (no clipping, llm-compressor's FP8 observer) has the lowest KL
+DEFAULT_CALIBRATOR = {Scheme.INT8: CalibMethod.MSE, Scheme.FP8: CalibMethod.MAX}
+
 # AWQ group sizes the kernels are built for, largest (smallest file) first: the default is the first that fits
 AWQ_GROUP_SIZES = (128, 64, 32)
 
@@ -43,7 +49,7 @@ class QuantConfig:
 
     scheme: Scheme
     act: ActQuant = ActQuant.DYNAMIC
-    calibrator: CalibMethod | None = None  # --act static: mse, the best static ranges in docs/quality.md
+    calibrator: CalibMethod | None = None  # --act static: DEFAULT_CALIBRATOR
     percentile: float | None = None  # --calibrator percentile: 99.99
     smooth: float | None = None  # SmoothQuant alpha
     group_size: int | None = None  # awq: the largest of AWQ_GROUP_SIZES that fits the model (with_group_size)
@@ -52,12 +58,12 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
             raise ConfigError(f"--smooth must be in [0, 1], got {self.smooth}")
-        if self.scheme != Scheme.INT8 and (self.smooth is not None or self.act == ActQuant.STATIC):
-            raise ConfigError("--smooth and --act static apply to --scheme int8 only")
+        if self.scheme not in W8A8 and (self.smooth is not None or self.act == ActQuant.STATIC):
+            raise ConfigError(f"--smooth and --act static apply to --scheme int8 and fp8, not {self.scheme.value}")
         static, awq = self.act == ActQuant.STATIC, self.scheme == Scheme.AWQ
         if self.calibrator is not None and not static:
             raise ConfigError("--calibrator chooses the ranges of --act static; it does nothing without it")
-        calibrator = self.calibrator or (CalibMethod.MSE if static else None)
+        calibrator = self.calibrator or (DEFAULT_CALIBRATOR[self.scheme] if static else None)
         if self.percentile is not None and calibrator != CalibMethod.PERCENTILE:
             raise ConfigError("--percentile applies to --act static --calibrator percentile only")
         if not awq and (self.group_size is not None or self.awq_method is not None):
@@ -87,7 +93,7 @@ class QuantConfig:
 
     @property
     def needs_stats(self) -> bool:
-        return self.scheme == Scheme.INT8 and (self.act == ActQuant.STATIC or self.smooth is not None)
+        return self.scheme in W8A8 and (self.act == ActQuant.STATIC or self.smooth is not None)
 
     @property
     def reads_text(self) -> bool:
@@ -98,7 +104,7 @@ class QuantConfig:
 
     def describe(self) -> dict:
         d = {"scheme": self.scheme.value}
-        if self.scheme == Scheme.INT8:
+        if self.scheme in W8A8:
             d.update(act=self.act.value, smooth=self.smooth,
                      calibrator=self.calibrator.value if self.act == ActQuant.STATIC else None)
             if self.act == ActQuant.STATIC and self.calibrator == CalibMethod.PERCENTILE:
@@ -112,11 +118,36 @@ class QuantConfig:
 StageProgress = Callable[[str, int, int], None]
 
 
+Recapture = Callable[[ModelWeights], dict[str, PointStats]]
+
+
 def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | None,
-                  recapture: Callable[[ModelWeights], dict[str, PointStats]] | None = None,
-                  progress: StageProgress | None = None) -> ModelWeights:
-    """W8A8: optional SmoothQuant from the stats' per-channel maxima, then per-channel int8 weights and
-    per-token (dynamic) or per-tensor calibrated (static) activation scales.
+                  recapture: Recapture | None = None, progress: StageProgress | None = None) -> ModelWeights:
+    """INT8 W8A8: optional SmoothQuant, per-channel int8 weights (fp16 scales, as exported), per-token or static
+    activations; static amaxes are those an fp16 input_scale gives back."""
+    def make(w: torch.Tensor, amax: float | None) -> Int8Linear:
+        a = None if amax is None else amax_as_stored(amax)  # what a reader of the fp16 input_scale gets back
+        return Int8Linear.from_dense(w, cfg.act, a, scale_dtype=torch.float16)
+
+    return _quantize_w8a8(weights, cfg, stats, recapture, progress, make, QuantGrid.INT8)
+
+
+def quantize_fp8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | None,
+                 recapture: Recapture | None = None, progress: StageProgress | None = None) -> ModelWeights:
+    """FP8 E4M3 W8A8: optional SmoothQuant, per-channel e4m3 weights (fp32 scales), per-token or static
+    activations whose ranges the calibrator judges on e4m3's grid; input_scale = amax / 448 in fp32."""
+    def make(w: torch.Tensor, amax: float | None) -> Fp8Linear:
+        a_scale = None if amax is None else float(scale_from_amax(torch.tensor(amax), QuantGrid.FP8))
+        return Fp8Linear.from_dense(w, cfg.act, a_scale)
+
+    return _quantize_w8a8(weights, cfg, stats, recapture, progress, make, QuantGrid.FP8)
+
+
+def _quantize_w8a8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | None, recapture: Recapture | None,
+                   progress: StageProgress | None, make: Callable[[torch.Tensor, float | None], object],
+                   grid: QuantGrid) -> ModelWeights:
+    """W8A8: optional SmoothQuant from the stats' per-channel maxima, then per-channel weights and per-token
+    (dynamic) or per-tensor calibrated (static) activation ranges, `make(W, amax)` building each linear.
 
     With smoothing and static activations, the smoothed model's activations are captured again
     (`recapture`), since the stats describe the unsmoothed ones."""
@@ -142,16 +173,14 @@ def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | N
         if points is not None:
             for kind in ("qkv", "o", "gate_up", "down"):
                 p = points[f"layers.{i}.{kind}"]
-                raw = p.amax if cfg.calibrator == CalibMethod.MAX else compute_amax(cfg.calibrator, p.hist, p.edges, calib)
-                amax[kind] = amax_as_stored(raw)  # what a reader of the fp16 input_scale gets back
-        linears = {attr: Int8Linear.from_dense(lin.dense_weight().float(), cfg.act, amax.get(POINT_OF[attr]),
-                                               scale_dtype=torch.float16)
+                amax[kind] = (p.amax if cfg.calibrator == CalibMethod.MAX
+                              else compute_amax(cfg.calibrator, p.hist, p.edges, calib, grid))
+        linears = {attr: make(lin.dense_weight().float(), amax.get(POINT_OF[attr]))
                    for attr, lin in layer.linears().items()}
         out.append(replace(layer, **linears))
         if progress:
             progress("quantize", i, n)
-    meta = {**weights.meta, "scheme": "int8"}
-    return replace(weights, layers=out, meta=meta)
+    return replace(weights, layers=out, meta={**weights.meta, "scheme": cfg.scheme.value})
 
 
 def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor | None, capture: CaptureConfig,
@@ -191,6 +220,8 @@ def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor 
 def quantization_config_for(cfg: QuantConfig) -> dict | None:
     if cfg.scheme == Scheme.INT8:
         return int8_quantization_config(static=cfg.act == ActQuant.STATIC)
+    if cfg.scheme == Scheme.FP8:
+        return fp8_quantization_config(static=cfg.act == ActQuant.STATIC)
     if cfg.scheme == Scheme.AWQ:
         return awq_quantization_config(cfg.group_size)
     return None

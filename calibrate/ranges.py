@@ -1,9 +1,10 @@
 """Range functions: pure functions from an |x| histogram (counts, edges) to an amax, plus int8 fake-quant.
 
-They follow NVIDIA pytorch-quantization's calib/histogram.py (REFERENCE.md section 1), which users
-compare against: same candidates, same tie rules, same returned edge or centre. The loops there are
-vectorised here (prefix sums for entropy, a candidates x bins matrix for MSE) so that 1920 candidates
-over 2048 bins take milliseconds. Histograms are read as float64 numpy arrays on the CPU.
+On the int8 grid (the default) they follow NVIDIA pytorch-quantization's calib/histogram.py (REFERENCE.md
+section 1), which users compare against: same candidates, same tie rules, same returned edge or centre. The loops
+there are vectorised here (prefix sums for entropy, a candidates x bins matrix for MSE) so that 1920 candidates
+over 2048 bins take milliseconds. On the fp8 grid (QuantGrid.FP8) MSE and entropy judge the same candidates by
+e4m3's rounding and saturation instead (calibrate/fp8_grid.py). Histograms are read as float64 numpy arrays.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Union
 import numpy as np
 import torch
 
-from calibrate.methods import CalibConfig, CalibMethod
+from calibrate import fp8_grid
+from calibrate.methods import CalibConfig, CalibMethod, QuantGrid
 from model_zoo.errors import ConfigError
 
 ArrayLike = Union[np.ndarray, torch.Tensor]
@@ -43,9 +45,11 @@ def amax_percentile(hist: ArrayLike, edges: ArrayLike, percentile: float = 99.99
     return float(e[idx])
 
 
-def amax_mse(hist: ArrayLike, edges: ArrayLike, start_bin: int = 128, stride: int = 1, num_bits: int = 8) -> float:
+def amax_mse(hist: ArrayLike, edges: ArrayLike, start_bin: int = 128, stride: int = 1, num_bits: int = 8,
+             grid: QuantGrid = QuantGrid.INT8) -> float:
     """Centre of the bin i >= start_bin whose use as amax minimises the count-weighted fake-quant MSE
-    of the bin centres (first one on ties). With no bin at or above start_bin: the last centre."""
+    (first one on ties). With no bin at or above start_bin: the last centre. int8: the MSE of the bin centres;
+    fp8: the expected e4m3 error of each bin's values taken uniform within it."""
     h, e = _as_numpy(hist, edges)
     if e[-1] == 0 or h.sum() == 0:
         return 0.0
@@ -53,6 +57,8 @@ def amax_mse(hist: ArrayLike, edges: ArrayLike, start_bin: int = 128, stride: in
     cand = np.arange(start_bin, centers.size, stride)  # [m] candidate bin indices
     if cand.size == 0:
         return float(centers[-1])
+    if QuantGrid(grid) is QuantGrid.FP8:
+        return float(centers[cand[int(np.argmin(fp8_grid.mse_curve(h, e, cand)))]])
     table = _mse_table(centers.size, num_bits) if _uniform_from_zero(e) else None
     if table is not None:
         rows = table[start_bin: centers.size: stride, : centers.size]  # [m, n] a view, not a copy
@@ -105,13 +111,15 @@ def _uniform_from_zero(e: np.ndarray) -> bool:
     return e[0] == 0 and bool(np.all(np.abs(e - np.arange(e.size) * width) <= 1e-9 * e[-1]))
 
 
-def amax_entropy(hist: ArrayLike, edges: ArrayLike, start_bin: int = 128, stride: int = 1, num_bits: int = 8) -> float:
+def amax_entropy(hist: ArrayLike, edges: ArrayLike, start_bin: int = 128, stride: int = 1, num_bits: int = 8,
+                 grid: QuantGrid = QuantGrid.INT8) -> float:
     """TensorRT's KL calibration: amax = edges[i] for the i >= start_bin minimising KL(P || Q) (last on ties).
 
-    P = hist[:i] with the tail hist[i:] folded into bin i-1. Q = hist[:i] (before the fold, as in
-    pytorch-quantization) merged into 2^(num_bits-1) levels and spread back evenly over each level's
-    non-empty bins. Bin 0 takes bin 1's count first (pytorch-quantization: a spike of exact zeros,
-    e.g. after ReLU, must not steer the search).
+    P = hist[:i] with the tail hist[i:] folded into bin i-1 (saturation). Q = hist[:i] (before the fold, as in
+    pytorch-quantization) merged into levels and spread back evenly over each level's non-empty bins: int8's
+    2^(num_bits-1) uniform levels, or (fp8) the e4m3 values the bin centres round to with amax = edges[i].
+    Bin 0 takes bin 1's count first (pytorch-quantization: a spike of exact zeros, e.g. after ReLU, must not
+    steer the search). Edges must be uniform from zero (HistogramCollector's).
     """
     h, e = _as_numpy(hist, edges)
     if e[-1] == 0 or h.sum() == 0:
@@ -123,27 +131,35 @@ def amax_entropy(hist: ArrayLike, edges: ArrayLike, start_bin: int = 128, stride
     cand = np.arange(start_bin, b.size + 1, stride)  # [m] bins kept (i)
     if cand.size == 0:
         return float(e[-1])
-    kl = _kl_divergences(b, cand, levels)  # [m]
+    if QuantGrid(grid) is QuantGrid.FP8:
+        kl = _kl_from_starts(b, cand, fp8_grid.level_starts(cand))  # [m]
+    else:
+        kl = _kl_divergences(b, cand, levels)  # [m]
     last_argmin = kl.size - 1 - int(np.argmin(kl[::-1]))
     return float(e[cand[last_argmin]])
 
 
 def _kl_divergences(b: np.ndarray, cand: np.ndarray, levels: int) -> np.ndarray:
-    """KL(P_i || Q_i) for every candidate i, from prefix sums: O(candidates x levels)."""
+    """KL(P_i || Q_i) for every candidate i with int8's uniform levels, from prefix sums: O(candidates x levels)."""
+    # bin j < i lies in level floor(j * levels / i), so level l starts at bin ceil(l * i / levels)
+    ls = np.arange(levels + 1)  # [L + 1]
+    starts = (ls[None, :] * cand[:, None] + levels - 1) // levels  # [m, L + 1]
+    return _kl_from_starts(b, cand, starts)
+
+
+def _kl_from_starts(b: np.ndarray, cand: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """KL(P_i || Q_i) for every candidate i, level l of candidate i covering bins [starts[i, l], starts[i, l+1])."""
     total = b.sum()
     cum = np.concatenate([[0.0], np.cumsum(b)])  # [n + 1] counts of bins < k
     nnz = np.concatenate([[0], np.cumsum(b > 0)])  # [n + 1] non-empty bins < k
     cum_xlogx = np.concatenate([[0.0], np.cumsum(_xlogx(b))])  # [n + 1]
-    # bin j < i lies in level floor(j * levels / i), so level l starts at bin ceil(l * i / levels)
-    ls = np.arange(levels + 1)  # [L + 1]
-    starts = (ls[None, :] * cand[:, None] + levels - 1) // levels  # [m, L + 1]
     s = cum[starts[:, 1:]] - cum[starts[:, :-1]]  # [m, L] counts per level
     c = nnz[starts[:, 1:]] - nnz[starts[:, :-1]]  # [m, L] non-empty bins per level
     with np.errstate(divide="ignore", invalid="ignore"):
         q_level = np.where(c > 0, s / np.maximum(c, 1), 0.0)  # [m, L] Q on each non-empty bin of the level
         sum_b_log_q = np.where(c > 0, s * np.log(np.where(c > 0, q_level, 1.0)), 0.0).sum(axis=1)  # [m]
         rows = np.arange(cand.size)  # [m]
-        last_level = ((cand - 1) * levels) // cand  # [m] level of bin i-1
+        last_level = (starts[:, :-1] <= (cand - 1)[:, None]).sum(axis=1) - 1  # [m] level of bin i-1 (starts rise)
         q_last = q_level[rows, last_level]  # [m]
         b_last = b[cand - 1]  # [m]
         tail = total - cum[cand]  # [m] mass folded into bin i-1
@@ -163,8 +179,10 @@ def _xlogx(v: np.ndarray) -> np.ndarray:
         return np.where(v > 0, v * np.log(np.where(v > 0, v, 1.0)), 0.0)
 
 
-def compute_amax(method: CalibMethod | str, hist: ArrayLike, edges: ArrayLike, cfg: CalibConfig | None = None) -> float:
-    """amax of one histogram under one method, with cfg's parameters."""
+def compute_amax(method: CalibMethod | str, hist: ArrayLike, edges: ArrayLike, cfg: CalibConfig | None = None,
+                 grid: QuantGrid = QuantGrid.INT8) -> float:
+    """amax of one histogram under one method, with cfg's parameters, judged on `grid` (max and percentile
+    do not depend on it)."""
     cfg = cfg or CalibConfig()
     method = CalibMethod.parse(method)
     if method is CalibMethod.MAX:
@@ -172,13 +190,13 @@ def compute_amax(method: CalibMethod | str, hist: ArrayLike, edges: ArrayLike, c
     if method is CalibMethod.PERCENTILE:
         return amax_percentile(hist, edges, cfg.percentile)
     if method is CalibMethod.MSE:
-        return amax_mse(hist, edges, cfg.start_bin, cfg.stride, cfg.num_bits)
-    return amax_entropy(hist, edges, cfg.start_bin, cfg.stride, cfg.num_bits)
+        return amax_mse(hist, edges, cfg.start_bin, cfg.stride, cfg.num_bits, grid)
+    return amax_entropy(hist, edges, cfg.start_bin, cfg.stride, cfg.num_bits, grid)
 
 
-def scale_from_amax(amax: float | torch.Tensor) -> float | torch.Tensor:
-    """Symmetric int8 scale: x ~ q * scale with q in [-127, 127] (FasterTransformer's amax / 127)."""
-    return amax / INT8_MAX
+def scale_from_amax(amax: float | torch.Tensor, grid: QuantGrid = QuantGrid.INT8) -> float | torch.Tensor:
+    """Symmetric scale: x ~ q * scale with q in [-127, 127] (int8: amax / 127) or in [-448, 448] (fp8: amax / 448)."""
+    return amax / (fp8_grid.FP8_MAX if QuantGrid(grid) is QuantGrid.FP8 else INT8_MAX)
 
 
 def fake_quant(x: torch.Tensor, amax: float | torch.Tensor) -> torch.Tensor:
@@ -205,9 +223,12 @@ def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
-def sqnr_db_from_hist(hist: ArrayLike, edges: ArrayLike, amax: float) -> float:
-    """SQNR estimated from the histogram alone (every value taken at its bin centre), for saved stats."""
+def sqnr_db_from_hist(hist: ArrayLike, edges: ArrayLike, amax: float, grid: QuantGrid = QuantGrid.INT8) -> float:
+    """SQNR estimated from the histogram alone, for saved stats: int8 with every value at its bin centre; fp8
+    with each bin's values uniform within it (e4m3's steps near zero are finer than a bin)."""
     h, e = _as_numpy(hist, edges)
+    if QuantGrid(grid) is QuantGrid.FP8:
+        return float(fp8_grid.sqnr_db_fp8_from_hist(h, e, float(amax)))
     centers = (e[1:] + e[:-1]) / 2  # [n]
     x_hat = fake_quant(torch.from_numpy(centers), amax).numpy()  # [n]
     signal = float((centers ** 2 * h).sum())

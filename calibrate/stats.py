@@ -9,6 +9,7 @@ seq_len, tokens, calibration parameters, fllama version). The file says what it 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -70,6 +71,8 @@ class PointStats:
 
 def config_hash(config: LlamaConfig) -> str:
     shape = {f: getattr(config, f) for f in _SHAPE_FIELDS}
+    if config.rope_scaling is not None:  # scaled RoPE changes the activations; plain RoPE keeps the old hashes
+        shape["rope_scaling"] = dataclasses.asdict(config.rope_scaling)
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -37,7 +37,7 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def bench_cmd(
     model: ModelArg = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as MODEL (e.g. llama2-7b with --random).")] = None,
-    scheme: Annotated[str, typer.Option("--scheme", help="Comma-separated: fp16,int8,awq (random weights are quantized on the GPU).")] = "fp16,int8,awq",
+    scheme: Annotated[str, typer.Option("--scheme", help="Comma-separated: fp16,int8,awq,fp8 (random weights are quantized on the GPU; fp8 needs compute capability 8.9+).")] = "fp16,int8,awq",
     batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes (1..64).")] = "1,8,32",
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Prompt tokens per row (prefill).")] = 512,
     gen_len: Annotated[int, typer.Option("--gen-len", help="Decode steps timed per repeat.")] = 128,
@@ -50,6 +50,7 @@ def bench_cmd(
     fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
     kv_int8: Annotated[bool, typer.Option("--kv-int8", help="The engine's int8 KV cache (as generate / chat --kv-int8): half the cache bytes each decode step reads; the floor counts them. The baseline keeps fp16.")] = False,
     lm_head_int8: Annotated[bool, typer.Option("--lm-head-int8", help="The int8 and awq engines' lm_head as int8 codes with a scale per vocabulary row (as generate / chat / eval --lm-head-int8): half its bytes each decode step; the floor counts them. fp16 (the unquantized model) and the baseline keep the fp16 head.")] = False,
+    loop: Annotated[bool, typer.Option("--loop/--no-loop", help="Batch 1 also through the generation loop that generate and chat run (prefill, decode run ahead of the host, detokenized and stop-checked): the decode tok/s a user gets, and its ratio to the engine's.")] = True,
     random: RandomOpt = False,
     seed: SeedOpt = None,
     force: ForceOpt = False,
@@ -57,7 +58,8 @@ def bench_cmd(
 ) -> None:
     """Measure the GPU engine: copy bandwidth, then per scheme and batch size prefill tokens/s, time to first
     token, decode tokens/s, ms per token (median, p90), effective GB/s and % of the measured bandwidth, peak
-    memory, and the same shapes under torch.compile as the baseline.
+    memory, the generation loop's decode tokens/s at batch 1, and the same shapes under torch.compile as the
+    baseline.
 
     Example: fllama bench --model llama2-7b --random --scheme fp16,awq --batch 1,8"""
     from kernels_cu.bench import BenchConfig
@@ -74,7 +76,7 @@ def bench_cmd(
                        cfg=BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len,
                                        repeat=repeat, group_size=128 if group_size is None else group_size),
                        baseline=baseline == Baseline.torch, random=random, seed=seed or 0, pdl=pdl,
-                       fold_norms=fold_norms, fuse_rope=fuse_rope, kv_int8=kv_int8, lm_head_int8=lm_head_int8)
+                       fold_norms=fold_norms, fuse_rope=fuse_rope, kv_int8=kv_int8, lm_head_int8=lm_head_int8, loop=loop)
     err = Console(stderr=True, highlight=False)
     rows, meta = run_bench(req, lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
     if json_out:
@@ -87,7 +89,8 @@ def bench_cmd(
 
 COLUMNS = [("scheme", "scheme", "{}"), ("batch", "batch", "{}"), ("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
            ("ttft_ms", "TTFT ms", "{:.1f}"), ("ttft_eager_ms", "TTFT new shape ms", "{:.1f}"), ("decode_tok_s", "decode tok/s", "{:,.1f}"),
-           ("ms_per_step_median", "ms/step p50", "{:.3f}"), ("ms_per_step_p90", "p90", "{:.3f}"),
+           ("generate_tok_s", "generate tok/s", "{:,.1f}"),
+           ("generate_vs_engine", "generate / decode", "{:.3f}"), ("ms_per_step_median", "ms/step p50", "{:.3f}"), ("ms_per_step_p90", "p90", "{:.3f}"),
            ("effective_gb_s", "GB/s", "{:,.0f}"), ("pct_of_bandwidth", "% of copy bw", "{:.1f}"),
            ("floor_tok_s", "floor tok/s", "{:,.0f}"), ("speedup_decode", "x torch.compile decode", "{:.2f}"),
            ("speedup_prefill", "x prefill", "{:.2f}"), ("peak_gpu_bytes", "peak GiB", "{}")]

@@ -22,7 +22,7 @@ from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, Model
 from model_zoo.errors import ConfigError
 from model_zoo.text_sources import SOURCES
 
-SUMMARY = "Activation statistics per capture point, and ranges by max / percentile / MSE / entropy."
+SUMMARY = "Activation statistics per capture point, and ranges by max / percentile / MSE / entropy (int8 and fp8)."
 EXAMPLES = ("fllama calibrate -o stats.safetensors",
             "fllama calibrate --data gutenberg:history --samples 128 --seq-len 512 -o stats.safetensors",
             "fllama calibrate --from-stats stats.safetensors --method mse")
@@ -47,7 +47,8 @@ def calibrate_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Run text through the model layer by layer, collect |x| histograms and per-channel statistics at the
-    inputs of q/k/v, o_proj, gate/up and down_proj, and report each method's amax and SQNR."""
+    inputs of q/k/v, o_proj, gate/up and down_proj, and report each method's amax and SQNR on the int8 grid and
+    on the fp8 e4m3 grid (MSE and entropy judge each grid's own rounding and saturation)."""
     err = Console(stderr=True, highlight=False)
     methods = parse_methods(method)
     if percentile is not None and methods not in (None, CalibMethod.PERCENTILE):
@@ -102,16 +103,30 @@ def calibrate_cmd(
 
 def _render(report: dict, meta: dict, json_out: bool) -> None:
     if json_out:
-        clean = {p: {m: {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in r.items()}
-                     for m, r in row.items()} for p, row in report.items()}
-        print(json.dumps(clean))
+        print(json.dumps(_finite(report)))
         return
     methods = list(next(iter(report.values())).keys())
-    table = Table(title=f"activation ranges (amax / SQNR of int8 fake-quant) · {escape(str(meta.get('model', {}).get('name', '?')))} · "
+    table = Table(title=f"activation ranges: amax / SQNR on the int8 and the fp8 (e4m3) grid · "
+                        f"{escape(str(meta.get('model', {}).get('name', '?')))} · "
                         f"{escape(str(meta.get('source', '?')))} ({meta.get('samples', '?')}x{meta.get('seq_len', '?')})")
     table.add_column("capture point", no_wrap=True)
     for m in methods:
-        table.add_column(m, justify="right", no_wrap=True)
+        table.add_column(f"{m} int8", justify="right", no_wrap=True)
+        table.add_column(f"{m} fp8", justify="right", no_wrap=True)
     for point, row in report.items():
-        table.add_row(point, *(f"{row[m]['amax']:.4g} / {row[m]['sqnr_db']:.1f} dB" for m in methods))
-    Console(highlight=False, width=None if sys.stdout.isatty() else 160).print(table)
+        cells = []
+        for m in methods:
+            cells += [_cell(row[m]), _cell(row[m]["fp8"])]
+        table.add_row(point, *cells)
+    Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def _cell(r: dict) -> str:
+    return f"{r['amax']:.4g} / {r['sqnr_db']:.1f} dB"
+
+
+def _finite(v):
+    """JSON has no infinity: an exact (or empty) SQNR is written as null."""
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return None if isinstance(v, float) and math.isinf(v) else v

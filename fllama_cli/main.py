@@ -47,13 +47,13 @@ def _epilog(examples: tuple[str, ...]) -> str:
 
 
 def _register() -> None:
-    from fllama_cli import bench, calibrate, chat, eval, generate, info, quantize
+    from fllama_cli import bench, calibrate, chat, eval, generate, info, quantize, serve
 
     for name, module, fn in (("calibrate", calibrate, calibrate.calibrate_cmd),
                              ("quantize", quantize, quantize.quantize_cmd),
                              ("generate", generate, generate.generate_cmd), ("chat", chat, chat.chat_cmd),
                              ("bench", bench, bench.bench_cmd), ("eval", eval, eval.eval_cmd),
-                             ("info", info, info.info_cmd)):
+                             ("info", info, info.info_cmd), ("serve", serve, serve.serve_cmd)):
         app.command(name, cls=Command, short_help=module.SUMMARY, epilog=_epilog(module.EXAMPLES))(fn)
 
 

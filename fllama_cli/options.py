@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from model_zoo.cpu_fast import CpuDtype
+
 
 class DeviceChoice(str, Enum):
     auto = "auto"
@@ -28,4 +30,5 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite an existing o
 WindowBatchOpt = Annotated[int, typer.Option("--batch", help="Windows per forward pass.")]
 KvInt8Opt = Annotated[bool, typer.Option("--kv-int8", help="GPU engine: int8 KV cache (a scale per row, head and position).")]
 LmHeadInt8Opt = Annotated[bool, typer.Option("--lm-head-int8", help="The lm_head as int8 codes with a scale per vocabulary row, made at load from the fp16 head (the checkpoint is unchanged): half the bytes of the largest read of a decode step. On the CPU reference the head is rounded the same way, so `fllama eval` measures what it costs.")]
+CpuDtypeOpt = Annotated[Optional[CpuDtype], typer.Option("--cpu-dtype", help="CPU backend: the dtype of its float weights (the lm_head, unquantized and AWQ linears). fp16 (the default) reads half the bytes per generated token, with products accumulated in fp32 (logits within ~1e-3 of fp32's; a step whose fp16 products overflow is recomputed in fp32); fp32 is the reference's numerics exactly. int8 codes, the KV cache and the residual stream are the same in both.", show_default=False)]
 MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", metavar="<positions>", help="Positions per sequence (prompt + reply) to size the KV cache for, up to the model's context (131,072 for Llama-3.1): the GPU engine checks at load that one sequence of it fits in memory and says how many positions would. Default: the model's context, with the GPU cache preallocated for up to 4096.", show_default=False)]

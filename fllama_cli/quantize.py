@@ -1,4 +1,4 @@
-"""`fllama quantize`: export a per-channel INT8 (W8A8) or AWQ int4 checkpoint, layer by layer."""
+"""`fllama quantize`: export a per-channel INT8 or FP8 (W8A8) or AWQ int4 checkpoint, layer by layer."""
 
 from __future__ import annotations
 
@@ -17,19 +17,21 @@ from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, Model
 from model_zoo.quant.formats import Scheme
 from model_zoo.quant.int8 import ActQuant
 
-SUMMARY = "Write an int8 (W8A8) or AWQ int4 checkpoint that fllama, vLLM and transformers load."
+SUMMARY = "Write an int8 or fp8 (W8A8) or AWQ int4 checkpoint that fllama, vLLM and transformers load."
 EXAMPLES = ("fllama quantize --scheme awq -o smollm2-awq",
             "fllama quantize --scheme int8 --smooth 0.5 --stats stats.safetensors -o smollm2-int8",
-            "fllama quantize --scheme int8 --act static --stats stats.safetensors -o smollm2-int8-static")
+            "fllama quantize --scheme int8 --act static --stats stats.safetensors -o smollm2-int8-static",
+            "fllama quantize --scheme fp8 -o smollm2-fp8",
+            "fllama quantize --scheme fp8 --act static --smooth 0.5 --stats stats.safetensors -o smollm2-fp8-static")
 
 
 def quantize_cmd(
     model: ModelArg = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (refused if it exists, unless --force).", show_default=False)] = ...,
-    scheme: Annotated[Scheme, typer.Option("--scheme", help="int8: W8A8 per-channel weights; awq: int4 weights in groups; fp16: plain export.")] = Scheme.INT8,
+    scheme: Annotated[Scheme, typer.Option("--scheme", help="int8: W8A8 per-channel int8 weights; fp8: W8A8 float8 e4m3 (Hopper); awq: int4 weights in groups; fp16: plain export.")] = Scheme.INT8,
     stats: Annotated[Optional[Path], typer.Option("--stats", help="Calibration stats from `fllama calibrate` (needed by --act static and --smooth).")] = None,
-    act: Annotated[ActQuant, typer.Option("--act", help="int8 activations: dynamic per-token scales, or static per-tensor scales from --stats.")] = ActQuant.DYNAMIC,
-    calibrator: Annotated[Optional[CalibMethod], typer.Option("--calibrator", help="Range method for --act static \\[default: mse, the best static ranges in docs/quality.md].", show_default=False)] = None,
+    act: Annotated[ActQuant, typer.Option("--act", help="int8 / fp8 activations: dynamic per-token scales, or static per-tensor scales from --stats.")] = ActQuant.DYNAMIC,
+    calibrator: Annotated[Optional[CalibMethod], typer.Option("--calibrator", help="Range method for --act static \\[default: mse for int8, max for fp8: the best static ranges in docs/quality.md].", show_default=False)] = None,
     percentile: Annotated[Optional[float], typer.Option("--percentile", help="For --calibrator percentile \\[default: 99.99].", show_default=False)] = None,
     smooth: Annotated[Optional[float], typer.Option("--smooth", help="SmoothQuant alpha in [0, 1] (e.g. 0.5): move activation outliers into the weights.")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="awq: input channels per scale/zero group \\[default: the largest of 128, 64, 32 that divides every layer].", show_default=False)] = None,
@@ -46,7 +48,7 @@ def quantize_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Quantize q, k, v, o, gate, up and down (embeddings, norms and lm_head stay fp16) and write a checkpoint
-    that fllama, vLLM and transformers load (compressed-tensors int8, AutoAWQ GEMM). Options that do not apply to
+    that fllama, vLLM and transformers load (compressed-tensors int8 or fp8, AutoAWQ GEMM). Options that do not apply to
     the scheme are refused."""
     from calibrate.pipeline import QuantizeJob, run_quantize
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fllama_cli.options import DeviceChoice
+from model_zoo.cpu_fast import CpuDtype
 from model_zoo.errors import ConfigError, DeviceError
 from model_zoo.quant.checkpoint import build_weights, int8_round_trip
 
@@ -30,7 +31,7 @@ class Opened:
         return self.loaded.config
 
     def describe(self) -> str:
-        dtype = "fp32 compute" if self.device == "cpu" else "fp16 compute"
+        dtype = getattr(self.backend, "compute", "fp16 compute")  # CpuModel says which weights and products
         head = ", lm_head int8" if self.lm_head_int8 else ""
         threads = getattr(self.backend, "threads", None)
         dtype += "" if threads is None else f", {threads} thread{'s' if threads > 1 else ''}"
@@ -64,13 +65,17 @@ def pick_device(choice: DeviceChoice) -> str:
 
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
                seed: int | None = None, dtype: torch.dtype | None = None,
-               kv_int8: bool = False, lm_head_int8: bool = False, max_context: int | None = None) -> Opened:
+               kv_int8: bool = False, lm_head_int8: bool = False, max_context: int | None = None,
+               cpu_dtype: CpuDtype | None = None) -> Opened:
+    """cpu_dtype: the CPU backend's weight dtype (None: CpuDtype.FP16, the default of model_zoo.cpu_fast)."""
     from model_zoo.load import load_model
 
     t0 = time.perf_counter()
     dev = pick_device(device)
     if kv_int8 and dev != "cuda":
         raise ConfigError("--kv-int8 is an option of the GPU engine (--device cuda)")
+    if cpu_dtype is not None and dev != "cpu":
+        raise ConfigError("--cpu-dtype is an option of the CPU backend (--device cpu); the GPU engine computes in fp16")
     loaded = load_model(source, random=random, seed=seed or 0, dtype=torch.float32)
     loaded.config = loaded.config.with_context(max_context)  # --max-context: what prompts and replies may use
     if dev == "cuda":
@@ -84,5 +89,5 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
         weights = build_weights(loaded, dtype or torch.float32, "cpu")
         if lm_head_int8:  # the engine's int8 head, as values: the reference's logits carry its rounding
             weights = replace(weights, lm_head=int8_round_trip(weights.lm_head))
-        backend = CpuModel(weights)  # the reference's numerics; weights laid out (AWQ dequantized) here, at load
+        backend = CpuModel(weights, weight_dtype=cpu_dtype or CpuDtype.FP16)  # laid out (AWQ dequantized) at load
     return Opened(loaded, backend, dev, lm_head_int8, load_s=time.perf_counter() - t0)

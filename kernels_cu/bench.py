@@ -18,7 +18,7 @@ from model_zoo.errors import ConfigError
 from model_zoo.linear import DenseLinear
 from model_zoo.weights import LINEAR_NAMES, LayerWeights, ModelWeights
 
-SCHEMES = ("fp16", "int8", "awq")
+SCHEMES = ("fp16", "int8", "awq", "fp8")
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30, iters: int = 20) -
 def random_weights(config: LlamaConfig, scheme: str, device: torch.device, seed: int = 0,
                    group_size: int = 128) -> ModelWeights:
     """Random weights of `config`'s shapes, made and quantized on the GPU one layer at a time (a 70B model's
-    fp16 weights never exist at once). int8: per-channel weights, per-token activations; awq: RTN groups."""
-    from model_zoo.quant.linear import ActQuant, AwqLinear, Int8Linear
+    fp16 weights never exist at once). int8 / fp8: per-channel weights, per-token activations; awq: RTN groups."""
+    from model_zoo.quant.linear import ActQuant, AwqLinear, Fp8Linear, Int8Linear
 
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r}; schemes: {', '.join(SCHEMES)}")
@@ -82,6 +82,8 @@ def random_weights(config: LlamaConfig, scheme: str, device: torch.device, seed:
                 lin[attr] = Int8Linear.from_dense(w.float(), ActQuant.DYNAMIC, scale_dtype=torch.float16)
             elif scheme == "awq":
                 lin[attr] = AwqLinear.from_dense(w.float(), group_size)
+            elif scheme == "fp8":
+                lin[attr] = Fp8Linear.from_dense(w.float(), ActQuant.DYNAMIC)
             else:
                 lin[attr] = DenseLinear(w)
             del w

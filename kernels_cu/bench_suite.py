@@ -14,11 +14,12 @@ from typing import Callable
 import torch
 
 from kernels_cu.bench import SCHEMES, BenchConfig, bench_baseline, bench_engine, copy_bandwidth, random_weights
+from kernels_cu.bench_loop import bench_generate
 from kernels_cu.build import device_info, pdl_supported, require_cuda
 from kernels_cu.engine import Engine, EngineConfig
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError, DeviceError
-from model_zoo.load import load_model
+from model_zoo.load import load_model, load_tokenizer
 from model_zoo.quant.checkpoint import build_weights
 from model_zoo.weights import ModelWeights
 
@@ -36,6 +37,7 @@ class BenchRequest:
     fuse_rope: bool = True
     kv_int8: bool = False
     lm_head_int8: bool = False  # int8 and awq engines only: fp16 is the unquantized model
+    loop: bool = True  # batch 1 also through the generation loop (what `fllama generate` gets)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.schemes if s not in SCHEMES]
@@ -73,12 +75,17 @@ def run_bench(req: BenchRequest, progress: Callable[[str], None] = lambda _: Non
     bw = copy_bandwidth(dev)
     progress(f"{info['name']} · driver {info.get('driver_version')} · copy bandwidth {bw / 1e12:.2f} TB/s")
     rows, base_rows, config = [], {}, None
+    tokenizer = None if req.random else load_tokenizer(req.source)
     for s in req.schemes:
         weights, config = _weights(req, s, dev)
         engine = Engine(weights, req.engine_config(s))
         for b in req.cfg.batches:
             progress(f"engine {s} batch {b} ...")
             rows.append({"scheme": s, **bench_engine(engine, b, req.cfg, bw)})
+            if b == 1 and req.loop:
+                progress(f"generate {s} batch 1 ...")
+                rows[-1].update(bench_generate(engine, tokenizer, req.cfg))
+                rows[-1]["generate_vs_engine"] = rows[-1]["generate_tok_s"] / rows[-1]["decode_tok_s"]
         if s == "fp16" and req.baseline:  # the fp16 weights are at hand: no second load
             base_rows = _baseline(weights, req.cfg, progress)
         del engine, weights
@@ -93,7 +100,7 @@ def run_bench(req: BenchRequest, progress: Callable[[str], None] = lambda _: Non
             "model": req.source or "llama2-7b", "random": req.random, "copy_bandwidth_tb_s": bw / 1e12,
             "prompt_len": req.cfg.prompt_len, "gen_len": req.cfg.gen_len, "repeat": req.cfg.repeat,
             "baseline": base_rows, "programmatic_launch": pdl_supported(), "fold_norms": req.fold_norms,
-            "fuse_rope": req.fuse_rope, "kv_int8": req.kv_int8, "lm_head_int8": req.lm_head_int8}
+            "fuse_rope": req.fuse_rope, "kv_int8": req.kv_int8, "lm_head_int8": req.lm_head_int8, "loop": req.loop}
     return rows, meta
 
 

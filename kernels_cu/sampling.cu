@@ -1,14 +1,16 @@
 // Next-token sampling on the GPU, all state on the device so a decode step can be captured in a graph.
 //
-// One block of SAMPLE_THREADS per row b of logits [B, V] (fp16 or fp32):
+// One block of SAMPLE_THREADS per row i of logits [n, V] (fp16 or fp32), for state row b = rows[i] (rows null:
+// b = i, n = B):
 //   params  fp32 [B, 4]  temperature, top_k (an integer held in a float), top_p, repetition_penalty
 //   seen    uint8 [B, V] tokens already in the row; the kernel marks the token it samples
 //   finished int32 [B]   a finished row outputs eos_ids[0]; a row finishes when it samples any eos id
-//   rng     int64 [1+B]  rng[0] = seed, rng[1+b] = row b's draw counter, incremented by the kernel
-//   out     int32 [B]    the sampled token
+//   rng     int64 [B, 2] row b's Philox key (its seed) and draw counter, the counter incremented by the kernel
+//   out     int32 [n]    the sampled token of logits row i
 //   next_ids, lengths, active  int32 [B] or all null: a captured decode step's bookkeeping, done by thread 0
 //           of each row (torch kernels there, with no programmatic launch, would cost the step ~4 us):
-//           next_ids = out (the next step's input ids), lengths += active (rows that decoded advance)
+//           next_ids = out (the next step's input ids), lengths += active (rows that decoded advance); a row
+//           with active 0 samples nothing and writes nothing (out keeps its old value)
 //
 // The order is model_zoo.sampling's: repetition penalty (HF: l > 0 ? l / p : l * p on seen tokens),
 // greedy (argmax, lowest index on ties) when temperature == 0 or top_k == 1, else divide by temperature,
@@ -20,8 +22,8 @@
 //     top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
 //     normalised over the whole vocabulary).
 //   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order.
-// Random numbers: Philox-4x32-10 keyed by the seed, counter (draw counter, row), so replays of one graph
-// draw fresh numbers and a row's stream does not depend on the batch it runs in.
+// Random numbers: Philox-4x32-10 keyed by the row's seed, counter = its draw counter, so replays of one graph
+// draw fresh numbers and a row's stream depends neither on the batch it runs in nor on its slot.
 #include "common.cuh"
 
 using namespace fllama;
@@ -47,8 +49,8 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
 }
 
 // Uniform in [0, 1) with 24 random bits.
-__device__ __forceinline__ float uniform01(unsigned long long seed, unsigned long long counter, int row) {
-    const uint4 ctr = make_uint4((uint32_t)counter, (uint32_t)(counter >> 32), (uint32_t)row, 0x5a3f1c27u);
+__device__ __forceinline__ float uniform01(unsigned long long seed, unsigned long long counter) {
+    const uint4 ctr = make_uint4((uint32_t)counter, (uint32_t)(counter >> 32), 0u, 0x5a3f1c27u);
     const uint4 r = philox4x32_10(ctr, make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
     return (float)(r.x >> 8) * (1.0f / 16777216.0f);
 }
@@ -254,32 +256,37 @@ template <typename T>
 __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, int* __restrict__ finished,
                            long long* __restrict__ rng, const T* __restrict__ logits,
                            const float* __restrict__ params, const int* __restrict__ eos_ids, int n_eos, int V,
-                           StepOut step) {
+                           StepOut step, const int* __restrict__ rows) {
     __shared__ Shared sh;
-    const int b = blockIdx.x, tid = threadIdx.x;
+    const int i_out = blockIdx.x, tid = threadIdx.x;
+    const int b = rows != nullptr ? rows[i_out] : i_out;  // the state row; logits and out are indexed by i_out
     // Before the PDL wait, the row's state: only earlier launches of this kernel (their steps long complete) and
     // the host write finished, params, rng, eos_ids and the step's lengths / active, so only the logits, which
     // the kernel before this one writes, wait. In a decode step that is four L2 round trips fewer after the
     // lm_head GEMV.
     const int is_finished = finished[b];
+    // a decode graph covers rows that are not decoding (free slots, rows still prefilling): they draw nothing, so
+    // their seen mask and draw counter stay as the host set them
+    const bool idle = step.active != nullptr && step.active[b] == 0;
     const float temperature = params[4 * b], top_p = params[4 * b + 2], penalty = params[4 * b + 3];
     const int top_k = min(max(__float2int_rn(params[4 * b + 1]), 0), MAX_K);
-    const unsigned long long seed = (unsigned long long)rng[0];
-    const unsigned long long counter = (unsigned long long)rng[1 + b];
+    const unsigned long long seed = (unsigned long long)rng[2 * b];
+    const unsigned long long counter = (unsigned long long)rng[2 * b + 1];
     if (tid == 0) {  // thread 0 alone writes and reads these
 #pragma unroll
         for (int i = 0; i < EOS_EARLY; ++i) sh.eos[i] = i < n_eos ? eos_ids[i] : eos_ids[0];
         sh.new_length = step.new_length(b);
     }
     pdl_enter();
+    if (idle) return;
     if (is_finished) {
         if (tid == 0) {
-            out[b] = sh.eos[0];
+            out[i_out] = sh.eos[0];
             step.write(b, sh.eos[0], sh.new_length);
         }
         return;
     }
-    Row<T> row{logits + (size_t)b * V, seen + (size_t)b * V, penalty, temperature, false};
+    Row<T> row{logits + (size_t)i_out * V, seen + (size_t)b * V, penalty, temperature, false};
     int token;
 
     // max (and argmax, the greedy answer and the fallback of the draws)
@@ -303,7 +310,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         const float incl = block_inclusive_scan(part, sh.incl, sh.fv);
         const float excl = tid > 0 ? sh.incl[tid - 1] : 0.0f;
         const float total = sh.incl[blockDim.x - 1];
-        float target = uniform01(seed, counter, b) * total;
+        float target = uniform01(seed, counter) * total;
         if (target >= total) target = nextafterf(total, 0.0f);
         if (tid == 0) sh.pick = 0x7fffffff;
         __syncthreads();
@@ -417,7 +424,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             float s_part = 0.0f;
             for (int i = c0; i < min(c1, kept); ++i) s_part += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
             const float s = warp_sum(s_part);
-            float target = uniform01(seed, counter, b) * s;
+            float target = uniform01(seed, counter) * s;
             if (target >= s) target = nextafterf(s, 0.0f);
             int found = 0x7fffffff;
             float run = excl;
@@ -440,26 +447,28 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     }
 
     if (tid == 0) {
-        out[b] = token;
+        out[i_out] = token;
         seen[(size_t)b * V + token] = 1;
         bool eos_hit = false;
 #pragma unroll
         for (int i = 0; i < EOS_EARLY; ++i) eos_hit |= sh.eos[i] == token;  // (ids past n_eos repeat id 0)
         for (int i = EOS_EARLY; i < n_eos; ++i) eos_hit |= eos_ids[i] == token;
         if (eos_hit) finished[b] = 1;
-        rng[1 + b] = (long long)(counter + 1);
+        rng[2 * b + 1] = (long long)(counter + 1);
         step.write(b, token, sh.new_length);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f16(int* out, uint8_t* seen, int* finished, long long* rng, const __half* logits, const float* params,
-               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active) {
-    sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active});
+               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active, const int* rows) {
+    sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active},
+                       rows);
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample_f32(int* out, uint8_t* seen, int* finished, long long* rng, const float* logits, const float* params,
-               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active) {
-    sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active});
+               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active, const int* rows) {
+    sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active},
+                      rows);
 }

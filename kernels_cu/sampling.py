@@ -5,7 +5,8 @@ Device state (GpuSampler owns it; `sample` is the bare launcher):
     params   fp32 [B, 4]   temperature, top_k, top_p, repetition_penalty per row (values change, buffer stays)
     seen     uint8 [B, V]  tokens in each row so far (prompt via observe(); the kernel marks what it samples)
     finished int32 [B]     finished rows output eos_ids[0]; sampling any eos id finishes a row
-    rng      int64 [1 + B] seed, then one draw counter per row (the kernel increments it)
+    rng      int64 [B, 2]  per row: its Philox key (the seed) and draw counter (the kernel increments it), so a
+                           row's draws depend on its own seed alone, not on its slot or the batch around it
 Semantics follow model_zoo.sampling.TorchSampler (penalty, then greedy or temperature -> top-k -> top-p ->
 softmax draw). Limits: top_k <= MAX_TOP_K; with top_p alone the nucleus is searched among the MAX_TOP_K
 largest logits (exact whenever the nucleus holds fewer tokens); ties at the k-th value are kept as in
@@ -14,6 +15,7 @@ torch, up to 2048 candidates.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,9 +24,11 @@ import torch
 from kernels_cu import build
 from kernels_cu.checks import check_tensor
 from model_zoo.errors import ConfigError
-from model_zoo.sampling import SamplingConfig, apply_repetition_penalty, filter_top_k_top_p
+from model_zoo.sampling import SamplingConfig, apply_repetition_penalty, filter_top_k_top_p, fresh_seed, row_seed
 
-SIGNATURE = "PPPPPPPiiPPP"  # out, seen, finished, rng, logits, params, eos_ids, n_eos, V, next_ids, lengths, active
+# out, seen, finished, rng, logits, params, eos_ids, n_eos, V, next_ids, lengths, active, rows
+SIGNATURE = "PPPPPPPiiPPPP"
+SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 THREADS = 1024
 MAX_TOP_K = 1024
 
@@ -54,32 +58,40 @@ class StepState:
 
 def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finished: torch.Tensor,
            rng: torch.Tensor, eos_ids: torch.Tensor, out: torch.Tensor | None = None,
-           step: StepState | None = None) -> torch.Tensor:
-    """logits fp16/fp32 [B, V] -> tokens int32 [B]; updates seen, finished and the rng counters in place, and
-    `step` when given."""
+           step: StepState | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """logits fp16/fp32 [n, V] -> tokens int32 [n]; updates seen, finished and the rng counters in place, and
+    `step` when given. Without `rows` logits row i is state row i (n = B); with rows (int32 [n], distinct) it is
+    state row rows[i], and no other row's state changes."""
     if logits.dim() != 2:
-        raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
-    B, V = logits.shape
+        raise ValueError(f"logits must be [n, V], got {tuple(logits.shape)}")
+    n, V = logits.shape
+    B = params.shape[0] if rows is not None else n
     check_tensor(logits, "logits", (torch.float16, torch.float32), align=logits.element_size())
     check_tensor(params, "params", torch.float32, (B, 4), align=4)
     check_tensor(seen, "seen", torch.uint8, (B, V), align=1)
     check_tensor(finished, "finished", torch.int32, (B,), align=4)
-    check_tensor(rng, "rng", torch.int64, (1 + B,), align=8)
+    check_tensor(rng, "rng", torch.int64, align=8)
+    if rng.dim() != 2 or rng.shape[1] != 2 or rng.shape[0] < B:  # rows past B (a leading view's parent) unread
+        raise ValueError(f"rng must be int64 [>= {B}, 2] (a key and a counter per row), got {tuple(rng.shape)}")
     if eos_ids.dim() != 1 or eos_ids.numel() < 1:
         raise ValueError("eos_ids must be a 1-D tensor holding at least one id")
     check_tensor(eos_ids, "eos_ids", torch.int32, align=4)
+    if rows is not None:
+        check_tensor(rows, "rows", torch.int32, (n,), align=4)
+        if step is not None:
+            raise ValueError("a decode step's bookkeeping (step) samples every row: no rows")
     if out is None:
-        out = torch.empty(B, dtype=torch.int32, device=logits.device)
-    check_tensor(out, "out", torch.int32, (B,), align=4)
+        out = torch.empty(n, dtype=torch.int32, device=logits.device)
+    check_tensor(out, "out", torch.int32, (n,), align=4)
     step_args = (None, None, None)
     if step is not None:
         for name in ("next_ids", "lengths", "active"):
             check_tensor(getattr(step, name), name, torch.int32, (B,), align=4)
         step_args = (step.next_ids, step.lengths, step.active)
-    if B:
+    if n:
         name = "sample_f16" if logits.dtype == torch.float16 else "sample_f32"
         fn = build.get_function("sampling.cu", name, SIGNATURE)
-        fn((B,), (THREADS,), out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V, *step_args)
+        fn((n,), (THREADS,), out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V, *step_args, rows)
     return out
 
 
@@ -109,26 +121,59 @@ class GpuSampler:
         self.params = params_tensor(config, batch).to(device)  # [B, 4]
         self.seen = torch.zeros(batch, vocab, dtype=torch.uint8, device=device)  # [B, V]
         self.finished = torch.zeros(batch, dtype=torch.int32, device=device)  # [B]
-        self.rng = torch.zeros(1 + batch, dtype=torch.int64, device=device)  # [1 + B]
+        self.rng = torch.zeros(batch, 2, dtype=torch.int64, device=device)  # [B, 2] key, draw counter
         self.eos_ids = torch.tensor(list(eos_ids), dtype=torch.int32, device=device)  # [n_eos]
         self.out = torch.zeros(batch, dtype=torch.int32, device=device)  # [B]
         self.reset(seed)
 
     def reset(self, seed: int) -> None:
-        """New sequences: clear seen/finished, reseed, restart the draw counters."""
+        """New sequences: clear seen/finished, seed row b with row_seed(seed, b), restart the draw counters."""
         self.seen.zero_()
         self.finished.zero_()
-        self.rng.zero_()
-        self.rng[0] = seed & 0x7FFF_FFFF_FFFF_FFFF
+        keys = [[row_seed(seed & SEED_MASK, b), 0] for b in range(self.batch)]
+        self.rng.copy_(torch.tensor(keys, dtype=torch.int64).reshape(self.batch, 2))
 
     def set_config(self, config: SamplingConfig | Sequence[SamplingConfig]) -> None:
         self.params.copy_(params_tensor(config, self.batch))  # copy_, not rebind: graphs keep the pointer
 
+    def configure_row(self, row: int, config: SamplingConfig) -> None:
+        """A new sequence in `row`: its params, its seed (cfg.seed, else a fresh one), nothing seen, not finished.
+        Copies from pinned memory, in stream order: no wait for the steps in flight (the kernel reads params,
+        rng and finished before its programmatic wait, so they are written by copies, never by a kernel)."""
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is outside the sampler's {self.batch} rows")
+        seed = (config.seed if config.seed is not None else fresh_seed()) & SEED_MASK
+        self.params[row].copy_(_pinned(params_row(config), torch.float32), non_blocking=True)
+        self.rng[row].copy_(_pinned([seed, 0], torch.int64), non_blocking=True)
+        self.finished[row:row + 1].copy_(_pinned([0], torch.int32), non_blocking=True)
+        self.seen[row].zero_()
+
     def observe(self, row: int, tokens: Sequence[int]) -> None:
         """Mark prompt tokens as seen (the penalty covers the prompt, as in transformers)."""
         if tokens:
-            self.seen[row, torch.tensor(list(tokens), device=self.seen.device)] = 1
+            ids = _pinned(list(tokens), torch.int64).to(self.seen.device, non_blocking=True)
+            self.seen[row].index_fill_(0, ids, 1)
 
-    def sample(self, logits: torch.Tensor, step: StepState | None = None) -> torch.Tensor:
-        """logits [B, V] -> self.out int32 [B] (the same tensor each call, so a graph can read it)."""
+    def leading(self, m: int) -> "GpuSampler":
+        """Rows 0..m-1 as a sampler of their own over the same buffers (a decode graph of the first m rows)."""
+        if not 0 < m <= self.batch:
+            raise ValueError(f"{m} leading rows of a sampler of {self.batch}")
+        view = copy.copy(self)
+        view.batch = m
+        for name in ("params", "seen", "finished", "rng", "out"):
+            setattr(view, name, getattr(self, name)[:m])
+        return view
+
+    def sample(self, logits: torch.Tensor, step: StepState | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, V] -> self.out int32 [B] (the same tensor each call, so a graph can read it); with rows
+        (int32 [n]), logits [n, V] of those rows -> a new int32 [n]."""
+        if rows is not None:
+            return sample(logits, self.params, self.seen, self.finished, self.rng, self.eos_ids, rows=rows)
         return sample(logits, self.params, self.seen, self.finished, self.rng, self.eos_ids, self.out, step)
+
+
+def _pinned(values: Sequence[float] | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor in pinned memory: a non_blocking copy from it neither waits for the stream nor reads it late
+    (torch's pinned allocator keeps the block until the copy has run)."""
+    return torch.tensor(list(values), dtype=dtype).pin_memory()

@@ -93,6 +93,16 @@ class Tuning:
     # One row of an int8 deferred RMSNorm is quantized by the GEMV after it, from the producer's partials, not by
     # a quantize_fold kernel in between (the same codes).
     norm_row_loop: bool = True
+    # -- FP8 E4M3 linears (fp8_gemm.py) --
+    # Up to this many rows the fp8 GEMV, above it the wgmma GEMM (Hopper): the GEMV's token tiles of a panel are
+    # neighbouring blocks that read its lines from DRAM about once (the int8 lm_head GEMV's bound, same grid and
+    # bytes). At 17-64 rows the GEMM has one 128-row tile a column, so ceil(N / 256) blocks: 16-86 for LLaMA-2-7B's
+    # linears on 132 SMs, too few to pull the weight at DRAM rate, where the GEMV has N / 16 panels.
+    fp8_gemv_max_m: int = 64
+    # Up to this many rows an fp8 GEMV quantizes its fp16 input itself (fp8_gemv_xq, the same codes): no quantize
+    # kernel before it, but every block re-reads the rows to find their max, which only one row does more cheaply
+    # than the kernel it saves (int8's defer_quant_max_rows holds the same trade; 0: never).
+    fp8_xq_max_rows: int = 1
     # -- SwiGLU (silu_mul.py) --
     # Up to this many rows the int8 SwiGLU spreads each row over blocks: one block per row would leave all but a
     # few SMs idle (0: never).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -10,8 +11,10 @@ import torch
 
 from model_zoo.backend import Backend, check_token_ids, make_sampler
 from model_zoo.config import LlamaConfig
+from model_zoo.decode_pipe import DecodePipe, open_pipe
 from model_zoo.errors import ConfigError, PromptError
 from model_zoo.sampling import SamplingConfig
+from model_zoo.text_stream import OnText, TextStream
 
 # on_text(row, text): called with each complete piece of text as it is generated
 TextCallback = Callable[[int, str], None]
@@ -57,47 +60,6 @@ class GenerationStats:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
-class _Row:
-    """Per-row decoding state: tokens, streamed text and stop detection."""
-
-    def __init__(self, index: int, prompt_len: int, tokenizer: Any, cfg: GenerationConfig):
-        self.index, self.prompt_len, self.cfg = index, prompt_len, cfg
-        self.tokens: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.decoder = tokenizer.stream_decoder()
-        self.eos_ids = tokenizer.eos_ids if cfg.stop_at_eos else frozenset()
-        self.emitted = 0  # characters of self.text already handed to the callback
-
-    def push(self, token: int, budget: int, on_text: TextCallback | None) -> None:
-        if token in self.eos_ids:
-            self.finish_reason = "eos"
-            self._emit(self.text + self.decoder.flush(), on_text, final=True)
-            return
-        self.tokens.append(token)
-        text = self.text + self.decoder.push(token)
-        for stop in self.cfg.stop_strings:
-            cut = text.find(stop)
-            if cut >= 0:
-                self.finish_reason = "stop"
-                self._emit(text[:cut], on_text, final=True)
-                return
-        if len(self.tokens) >= budget:
-            self.finish_reason = "length"
-            self._emit(text + self.decoder.flush(), on_text, final=True)
-            return
-        self._emit(text, on_text, final=False)
-
-    def _emit(self, text: str, on_text: TextCallback | None, final: bool) -> None:
-        self.text = text
-        # hold back a tail that could be the start of a stop string, so it is never printed then cut
-        hold = 0 if final else max((len(s) - 1 for s in self.cfg.stop_strings), default=0)
-        ready = len(text) - hold
-        if on_text and ready > self.emitted:
-            on_text(self.index, text[self.emitted:ready])
-            self.emitted = ready
-
-
 def check_prompts(prompts: Sequence[Sequence[int]], config: LlamaConfig) -> None:
     """PromptError unless every prompt is non-empty, leaves room for a token in the context, and holds only
     ids of the model's vocabulary."""
@@ -120,7 +82,8 @@ def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]],
 
     With `cache`, prompts continue the given cache rows (chat turns); otherwise a cache sized for the
     longest prompt plus max_new_tokens (capped at the context) is made. Each row yields the same greedy
-    tokens as when run alone: rows never see each other.
+    tokens as when run alone: rows never see each other. Decode steps run ahead of the host (decode_pipe.py);
+    afterwards each row's cache length counts exactly the tokens it was fed.
     """
     config = backend.config
     check_prompts(prompts, config)
@@ -129,45 +92,75 @@ def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]],
     if cache is None:
         max_len = min(config.max_positions, max(len(p) for p in prompts) + cfg.max_new_tokens)
         cache = backend.new_cache(B, max_len)
-    start = [int(cache.lengths[r]) for r in row_ids]
-    budgets = [min(cfg.max_new_tokens, cache.max_len - s - len(p)) for s, p in zip(start, prompts)]
-    for (s, p) in zip(start, prompts):
-        if s + len(p) >= cache.max_len:
-            raise PromptError(f"the conversation has {s + len(p)} tokens but the context holds {cache.max_len}: "
+    start = [int(cache.lengths[r]) + len(p) for r, p in zip(row_ids, prompts)]  # lengths after the prefill
+    for s in start:
+        if s >= cache.max_len:
+            raise PromptError(f"the conversation has {s} tokens but the context holds {cache.max_len}: "
                               "start a new one (/reset)")
-    sampler = make_sampler(backend, cfg.sampling, B)
-    states = [_Row(i, len(p), tokenizer, cfg) for i, p in enumerate(prompts)]
-    device = backend.device
+    budgets = [min(cfg.max_new_tokens, cache.max_len - s) for s in start]
+    sampler = make_sampler(backend, cfg.sampling, cache.lengths.shape[0])  # its rows are the cache's rows
+    streams = [TextStream(tokenizer, budget, cfg.stop_strings, cfg.stop_at_eos, _row_callback(on_text, i))
+               for i, budget in enumerate(budgets)]
 
     t0 = time.perf_counter()
-    first_logits = []
-    for i, (r, p) in enumerate(zip(row_ids, prompts)):
-        sampler.observe(i, list(p))
-        logits = backend.forward(torch.tensor([list(p)], device=device), cache, torch.tensor([r], device=device))
-        first_logits.append(logits[:, -1])  # [1, V]
-    tokens_host = sampler.sample(torch.cat(first_logits), list(range(B))).tolist()
+    first = _prefill(backend, cache, sampler, row_ids, prompts)
     t1 = time.perf_counter()
-    for st, tok, budget in zip(states, tokens_host, budgets):
-        st.push(tok, budget, on_text)
-
-    fused = getattr(backend, "decode_sampled", None)
-    while True:
-        live = [st for st in states if st.finish_reason is None]
-        if not live:
-            break
-        idx = [st.index for st in live]
-        active = torch.tensor([row_ids[i] for i in idx], device=device)  # cache rows still decoding
-        last = torch.tensor([[st.tokens[-1]] for st in live], device=device)  # [b, 1]
-        if fused is not None:  # the backend decodes and samples in one step (the GPU engine's graph)
-            next_tokens = fused(last[:, 0], cache, active.tolist(), sampler)
-        else:
-            next_tokens = sampler.sample(backend.forward(last, cache, active)[:, -1], idx)  # from logits [b, V]
-        for st, tok in zip(live, next_tokens.tolist()):
-            st.push(tok, budgets[st.index], on_text)
+    for ts, tok in zip(streams, first):
+        ts.push(tok)
+    _decode(open_pipe(backend, cache, sampler), streams, row_ids, start, first)
     t2 = time.perf_counter()
 
-    results = [RowResult(st.tokens, st.text, st.prompt_len, st.finish_reason or "length") for st in states]
+    results = [RowResult(ts.tokens, ts.text, len(p), ts.finish_reason or "length") for ts, p in zip(streams, prompts)]
     stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts),
-                            generated_tokens=sum(len(st.tokens) + (st.finish_reason == "eos") for st in states),
-                            prefill_s=t1 - t0, decode_s=t2 - t1)
+                            generated_tokens=sum(ts.generated for ts in streams), prefill_s=t1 - t0, decode_s=t2 - t1)
     return results, stats
+
+
+def _row_callback(on_text: TextCallback | None, row: int) -> OnText | None:
+    return None if on_text is None else (lambda text: on_text(row, text))
+
+
+def _prefill(backend: Backend, cache: Any, sampler: Any, rows: list[int],
+             prompts: Sequence[Sequence[int]]) -> list[int]:
+    """Each prompt into its cache row; the first token of each row."""
+    device = backend.device
+    first_logits = []
+    for r, p in zip(rows, prompts):
+        sampler.observe(r, list(p))
+        logits = backend.forward(torch.tensor([list(p)], device=device), cache, torch.tensor([r], device=device))
+        first_logits.append(logits[:, -1])  # [1, V]
+    return sampler.sample(torch.cat(first_logits), rows).tolist()
+
+
+def _decode(pipe: DecodePipe, streams: list[TextStream], rows: list[int], start: list[int],
+            first: list[int]) -> None:
+    """Decode until every row is done, `pipe.depth` steps in flight. A row leaves the pipe once the step that
+    samples its last allowed token is launched, or when its end (EOS, a stop string) is read; tokens of steps
+    that ran past a row's end are dropped, and its cache length is set back to what it was fed."""
+    by_row = dict(zip(rows, streams))
+    pushed = {r: 1 for r in rows}  # tokens each row has taken (the prefill's first)
+    launched = {r: 0 for r in rows}
+    for r, s, ts, tok in zip(rows, start, streams, first):
+        if not ts.done:
+            pipe.join(r, tok, s)
+    inflight: deque = deque()
+    while True:
+        while len(inflight) < pipe.depth and pipe.rows:
+            step = pipe.launch()
+            inflight.append(step)
+            for r in step.rows:
+                launched[r] += 1
+                if launched[r] >= by_row[r].budget - 1:  # the step sampling its last allowed token is on its way
+                    pipe.leave(r)
+        if not inflight:
+            break
+        step = inflight.popleft()
+        for r, tok in zip(step.rows, step.tokens()):
+            ts = by_row[r]
+            if ts.done:
+                continue  # a step launched before the row's end was read
+            pushed[r] += 1
+            if ts.push(tok):
+                pipe.leave(r)
+    for r, s in zip(rows, start):
+        pipe.set_length(r, s + pushed[r] - 1)  # fed: every token taken but the last

@@ -63,14 +63,33 @@ def fresh_seed() -> int:
     return secrets.randbits(63)
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row `row` of a batch seeded `seed`. Row 0 keeps the seed, so a seeded request draws the same
+    tokens alone, as row 0 of a batch, or in any server slot configured with it (configure_row)."""
+    return (seed + row * 0x9E3779B97F4A7C15) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 class TorchSampler:
-    """Per-batch sampling state: the seen-token mask for the repetition penalty and the generator."""
+    """Per-row sampling state: each row's SamplingConfig, its seen-token mask (the repetition penalty) and its own
+    generator, so a row draws the same tokens whatever the other rows of the batch do."""
 
     def __init__(self, cfg: SamplingConfig, batch: int, vocab: int, device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.configs = [cfg] * batch
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # [B, V]
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(cfg.seed if cfg.seed is not None else fresh_seed())
+        seed = cfg.seed if cfg.seed is not None else fresh_seed()
+        self.generators = [self._generator(row_seed(seed, b)) for b in range(batch)]
+
+    def _generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.seen.device)
+        g.manual_seed(seed)
+        return g
+
+    def configure_row(self, row: int, cfg: SamplingConfig) -> None:
+        """A new sequence in `row`: its own config and seed (a fresh one when cfg.seed is None), nothing seen."""
+        self.configs[row] = cfg
+        self.seen[row] = False
+        self.generators[row] = self._generator(cfg.seed if cfg.seed is not None else fresh_seed())
 
     def observe(self, row: int, tokens: list[int]) -> None:
         """Mark prompt tokens as seen (the penalty covers the prompt, as in transformers)."""
@@ -79,13 +98,16 @@ class TorchSampler:
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """logits [b, V] for the given rows of the batch -> tokens [b] (int64); records them as seen."""
-        cfg = self.cfg
         idx = torch.tensor(rows, device=self.seen.device)
-        logits = apply_repetition_penalty(logits.float(), self.seen[idx], cfg.repetition_penalty)
-        if cfg.greedy:
-            tokens = logits.argmax(-1)
-        else:
-            logits = filter_top_k_top_p(logits / cfg.temperature, cfg.top_k, cfg.top_p)
-            tokens = torch.multinomial(logits.softmax(-1), 1, generator=self.generator)[:, 0]
+        logits = logits.float()
+        cfgs = [self.configs[r] for r in rows]
+        if any(c.repetition_penalty != 1.0 for c in cfgs):
+            logits = torch.cat([apply_repetition_penalty(logits[i:i + 1], self.seen[r:r + 1], c.repetition_penalty)
+                                for i, (r, c) in enumerate(zip(rows, cfgs))])  # [b, V]
+        tokens = logits.argmax(-1)  # [b]: the greedy rows' answer
+        for i, (r, c) in enumerate(zip(rows, cfgs)):
+            if not c.greedy:
+                row = filter_top_k_top_p(logits[i:i + 1] / c.temperature, c.top_k, c.top_p)  # [1, V]
+                tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=self.generators[r])[0, 0]
         self.seen[idx, tokens.to(self.seen.device)] = True
         return tokens

@@ -1,5 +1,7 @@
 import dataclasses
 import importlib.util
+import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -10,15 +12,16 @@ import torch.nn.functional as F
 
 from calibrate.awq import (AwqConfig, AwqLayerResult, LayerInput, apply_awq, check_group_size, fake_quant_groups,
                            search_clip, search_layer, valid_group_sizes, working_weights)
-from calibrate.awq_config import SCALE_GROUPS, ScaleGroup
+from calibrate.awq_config import SCALE_GROUPS, ClipObjective, ScaleGroup
 from calibrate.awq_results import load_awq_results, save_awq_results
 from calibrate.awq_scale import TiedColumns, awq_scales, loss_fn, search_scale, tied_columns, weight_mean
 from calibrate.capture import CaptureConfig
+from calibrate.outputs import temp_prefix
 from calibrate.quantize import QuantConfig, quantize_awq
 from model_zoo.quant.formats import Scheme
 from model_zoo.reference import ReferenceModel
 from model_zoo.config import LlamaConfig
-from model_zoo.errors import ConfigError, CorruptCheckpointError
+from model_zoo.errors import ConfigError, CorruptCheckpointError, FllamaError
 from model_zoo.linear import DenseLinear
 from model_zoo.reference import layer_forward
 from model_zoo.weights import LINEAR_NAMES, ModelWeights, random_state_dict
@@ -46,8 +49,9 @@ def _fwd(layer, config, x, observer=None):
 
 
 def _rtn_layer(layer, group_size):
-    """Every linear round-to-nearest quantized (dequantized back to dense), norms untouched."""
-    q = {a: DenseLinear(fake_quant_groups(getattr(layer, a).dense_weight(), group_size)) for a, _ in LINEAR_NAMES}
+    """Every linear round-to-nearest quantized as the checkpoint holds it (fp16 steps), dequantized back to dense."""
+    q = {a: DenseLinear(fake_quant_groups(getattr(layer, a).dense_weight(), group_size, scale_dtype=torch.float16))
+         for a, _ in LINEAR_NAMES}
     return type(layer)(attn_norm=layer.attn_norm, ffn_norm=layer.ffn_norm, **q)
 
 
@@ -182,27 +186,38 @@ def test_losses_are_the_blocks_output_errors():
         assert result.losses[name + ".rtn"] == result.losses[name]
 
 
-def test_clip_search_never_increases_group_error():
+def test_clip_search_objectives():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(40, 64, generator=g, dtype=torch.float64)  # [N, K]
     w[:, 7] *= 6  # an outlier weight per row: clipping it pays off for some groups
     x = torch.randn(300, 64, generator=g, dtype=torch.float64)  # [T, K], T < clip_tokens: all used
-    cfg = AwqConfig(group_size=G)
-    clip, err, err_none = search_clip(w, x, cfg)
-    assert clip.shape == (40, 4)
+    x[:, 40:] += 0.7 * x[:, :24]  # inputs correlated across groups: the row objective sees what GROUP does not
+    unclipped = w.abs().reshape(40, 4, G).amax(dim=2)  # [N, K/G]
+    ratios = AwqConfig(group_size=G).shrink_ratios
 
-    def direct(c):  # AutoAWQ's form: per token and group, (x_g . (w_hat_g - w_g))^2, mean over tokens
-        d = (fake_quant_groups(w, G, c) - w).reshape(40, 4, G)  # [N, K/G, G]
-        out = torch.einsum("tgi,ngi->tng", x.reshape(300, 4, G), d)  # [T, N, K/G]
-        return out.pow(2).mean(dim=0)  # [N, K/G]
+    def group_errors(c):  # AutoAWQ's form: per token and group, (x_g . (w_hat_g - w_g))^2, mean over tokens
+        d = (fake_quant_groups(w, G, c, scale_dtype=torch.float16) - w).reshape(40, 4, G)  # [N, K/G, G]
+        return torch.einsum("tgi,ngi->tng", x.reshape(300, 4, G), d).pow(2).mean(dim=0)  # [N, K/G]
 
-    unclipped = w.abs().reshape(40, 4, G).amax(dim=2)
-    e_best, e_none = direct(clip), direct(unclipped)
-    assert torch.allclose(e_best, err, rtol=1e-9) and torch.allclose(e_none, err_none, rtol=1e-9)
-    assert (e_best <= e_none * (1 + 1e-12)).all()
-    assert (clip < unclipped).any() and (e_best < 0.95 * e_none).any()  # the search did clip somewhere
-    ratios = torch.tensor(cfg.shrink_ratios, dtype=torch.float64)
-    assert ((clip / unclipped)[..., None] - ratios).abs().min(dim=-1).values.max() < 1e-12
+    def row_errors(c):  # mean over tokens of each output's squared error, the steps stored in fp16
+        return (x @ (fake_quant_groups(w, G, c, scale_dtype=torch.float16) - w).T).pow(2).mean(dim=0)  # [N]
+
+    clip, err, err_none = search_clip(w, x, AwqConfig(group_size=G, clip_objective="group"))
+    assert clip.shape == (40, 4) and err.shape == err_none.shape == (40,)
+    assert torch.allclose(err, row_errors(clip), rtol=1e-9) and torch.allclose(err_none, row_errors(unclipped), rtol=1e-9)
+    each = torch.stack([group_errors(unclipped * r) for r in ratios])  # [R, N, K/G]
+    assert torch.allclose(group_errors(clip), each.min(dim=0).values, rtol=1e-9)  # each group's own best
+    assert (clip < unclipped).any()  # the search did clip somewhere
+    assert ((clip / unclipped)[..., None] - torch.tensor(ratios, dtype=torch.float64)).abs().min(-1).values.max() < 1e-12
+
+    row_clip, row_err, row_none = search_clip(w, x, AwqConfig(group_size=G, clip_objective="row"))
+    assert torch.allclose(row_err, row_errors(row_clip), rtol=1e-9) and torch.equal(row_none, err_none)
+    assert (row_err <= err * (1 + 1e-12)).all() and row_err.sum() < 0.97 * err.sum()  # 6% here
+    for gi in range(4):  # converged: no single group's other candidate lowers a row's error
+        for r in ratios:
+            c = row_clip.clone()
+            c[:, gi] = unclipped[:, gi] * r
+            assert (row_errors(c) >= row_err * (1 - 1e-9)).all()
 
 
 def test_layer_clip_losses_and_skipped_linears():
@@ -235,6 +250,31 @@ def test_results_round_trip_through_safetensors(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(CorruptCheckpointError):
         load_awq_results(bad)
+
+
+def test_results_file_follows_the_output_rules(tmp_path):
+    """No overwrite without force; the temporary is fllama's (hidden, owned), so a killed writer's is removed by the
+    next save; a v2 file (before the row clip objective) still loads, as searched by groups."""
+    path = tmp_path / "awq.safetensors"
+    results, cfg = [AwqLayerResult(scales={"qkv": torch.ones(64)})], AwqConfig(group_size=G)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stale = tmp_path / (temp_prefix(path, pid=proc.pid) + "abc.tmp")  # left by a run that was killed
+    stale.write_bytes(b"half written")
+    save_awq_results(path, results, cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["awq.safetensors"]
+    with pytest.raises(FllamaError, match="--force"):
+        save_awq_results(path, results, cfg)
+    save_awq_results(path, results, dataclasses.replace(cfg, clip_objective="group"), force=True)
+    assert load_awq_results(path).config.clip_objective is ClipObjective.GROUP
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(path), framework="pt") as f:
+        info = json.loads(f.metadata()["fllama"])
+    info["version"], info["awq"] = 2, {k: v for k, v in info["awq"].items() if k != "clip_objective"}
+    save_file({"layers.0.scales.qkv": torch.ones(64)}, str(tmp_path / "v2.safetensors"),
+              metadata={"fllama": json.dumps(info)})
+    assert load_awq_results(tmp_path / "v2.safetensors").config.clip_objective is ClipObjective.GROUP
 
 
 def test_search_uses_the_first_samples_holding_search_tokens():
@@ -314,7 +354,8 @@ def test_scale_and_clip_searches_match_autoawq():
     """AutoAWQ's own _search_best_scale (duo scaling, its grid and loss) on the MLP and on down_proj alone,
     and its _compute_best_clip, give fllama's scales and clips."""
     q = _autoawq_quantizer()
-    layer, cfg = _layer(GQA), AwqConfig(group_size=G, clip_tokens=512)  # AutoAWQ's token sample
+    # AutoAWQ's token sample, per-group clip objective and (in fp32, on a CPU) fp32 steps
+    layer, cfg = _layer(GQA), AwqConfig(group_size=G, clip_tokens=512, clip_objective="group", fp16_steps=False)
     seen = {}
     _fwd(layer, GQA, _x(), observer=lambda p, a: seen.__setitem__(p, a))
     ws = working_weights(layer, torch.float32)

@@ -1,5 +1,6 @@
-"""The CPU backend (model_zoo/cpu_fast.py) against the reference model: logits equal to fp32 rounding, the same
-greedy tokens, int8 outputs bit for bit, quantized weights prepared at load and not at the first forward."""
+"""The CPU backend (model_zoo/cpu_fast.py) against the reference model: with fp32 weights logits equal to fp32
+rounding, with fp16 weights (the default) within 3e-3; the same greedy tokens; int8 outputs bit for bit; quantized
+weights prepared at load and not at the first forward; an fp16 overflow recomputed in fp32."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import torch.nn.functional as F
 
 import model_zoo.cpu_fast as cpu_fast
 from model_zoo.config import LlamaConfig
-from model_zoo.cpu_fast import CpuModel, DenseOp, Int8Op, SplitOp, default_threads, make_op
+from model_zoo.cpu_fast import CpuDtype, CpuModel, DenseOp, Int8Op, SplitOp, default_threads, make_op
 from model_zoo.errors import ConfigError, PromptError
 from model_zoo.generation import GenerationConfig, generate
+from model_zoo.linear import DenseLinear
 from model_zoo.quant.linear import ActQuant, AwqLinear, Int8Linear
 from model_zoo.reference import ReferenceModel, rms_norm
-from model_zoo.sampling import SamplingConfig
+from model_zoo.sampling import SamplingConfig, TorchSampler
 from model_zoo.weights import ModelWeights, random_state_dict
 from tests._fixtures_loaders import SMOLLM2, needs_smollm2
 from tests.helpers import TINY, byte_tokenizer, rel_err
@@ -27,6 +29,8 @@ CONFIGS = {
     "head_dim": LlamaConfig(64, 2, 2, 1, 64, 61, head_dim=48, rope_theta=20000.0, max_positions=128),
 }
 SCHEMES = ("fp16", "int8", "int8-static", "int8-static-split", "awq")
+CFG = LlamaConfig(64, 2, 4, 2, 128, 512, max_positions=256, name="cpu-cli-tiny")  # conftest's model_dir
+FP16, FP32 = CpuDtype.FP16, CpuDtype.FP32
 
 
 @pytest.fixture(autouse=True)
@@ -60,35 +64,43 @@ def quantized(weights: ModelWeights, scheme: str) -> ModelWeights:
     return replace(weights, layers=layers, meta={"scheme": scheme.split("-")[0]})
 
 
-def pair(config: LlamaConfig, scheme: str = "fp16", seed: int = 0) -> tuple[ReferenceModel, CpuModel]:
+def pair(config: LlamaConfig, scheme: str = "fp16", seed: int = 0,
+         dtype: CpuDtype = FP32) -> tuple[ReferenceModel, CpuModel]:
     weights = quantized(ModelWeights.from_state_dict(config, random_state_dict(config, seed=seed)), scheme)
-    return ReferenceModel(weights), CpuModel(weights, threads=1)
+    return ReferenceModel(weights), CpuModel(weights, threads=1, weight_dtype=dtype)
 
 
-def close(got: torch.Tensor, want: torch.Tensor, scheme: str) -> None:
-    # fp32 GEMVs in another summation order; int8 adds a rare activation code one step away on a rounding tie
+def close(got: torch.Tensor, want: torch.Tensor, scheme: str, dtype: CpuDtype = FP32) -> None:
+    # fp32 GEMVs in another summation order; int8 adds a rare activation code one step away on a rounding tie;
+    # fp16 weights (and, for one row, fp16 activations and products) round at ~5e-4 each
     tol = 1e-5 if scheme in ("fp16", "awq") else 2e-3
-    assert rel_err(got, want) < tol
+    assert rel_err(got, want) < (tol if dtype is FP32 else 3e-3)
 
 
+@pytest.mark.parametrize("dtype", [FP32, FP16])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_full_forward_matches_reference(name, scheme):
-    ref, fast = pair(CONFIGS[name], scheme, seed=len(name))
+def test_full_forward_matches_reference(name, scheme, dtype):
+    ref, fast = pair(CONFIGS[name], scheme, seed=len(name), dtype=dtype)
     tokens = torch.randint(0, ref.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
-    close(fast.forward(tokens), ref.forward(tokens), scheme)
+    close(fast.forward(tokens), ref.forward(tokens), scheme, dtype)
 
 
-@pytest.mark.parametrize("scheme", ["fp16", "int8"])
-def test_cached_prefill_and_decode_match_reference(scheme):
-    ref, fast = pair(CONFIGS["gqa"], scheme, seed=5)
-    tokens = torch.randint(0, 131, (2, 16), generator=torch.Generator().manual_seed(2))
-    caches = ref.new_cache(2, 24), fast.new_cache(2, 24)
-    close(fast.forward(tokens[:, :9], caches[1]), ref.forward(tokens[:, :9], caches[0]), scheme)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [FP32, FP16])
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "int8-static"])
+def test_cached_prefill_and_decode_match_reference(scheme, dtype, batch):
+    """batch 1 decodes one row a step: fp16 GEMVs and Int8Op's scalar paths (with fp16 weights the norm folded
+    into the activation scale); batch 2 the several-row paths."""
+    ref, fast = pair(CONFIGS["gqa"], scheme, seed=5, dtype=dtype)
+    tokens = torch.randint(0, 131, (batch, 16), generator=torch.Generator().manual_seed(2))
+    caches = ref.new_cache(batch, 24), fast.new_cache(batch, 24)
+    close(fast.forward(tokens[:, :9], caches[1]), ref.forward(tokens[:, :9], caches[0]), scheme, dtype)
     for i in range(9, 16):
-        close(fast.forward(tokens[:, i:i + 1], caches[1]), ref.forward(tokens[:, i:i + 1], caches[0]), scheme)
-    assert caches[1].lengths.tolist() == [16, 16]
-    close(caches[1].k[1], caches[0].k[1], scheme)  # the cache holds what the reference's holds
+        close(fast.forward(tokens[:, i:i + 1], caches[1]), ref.forward(tokens[:, i:i + 1], caches[0]), scheme,
+              dtype)
+    assert caches[1].lengths.tolist() == [16] * batch
+    close(caches[1].k[1], caches[0].k[1], scheme, dtype)  # the cache holds what the reference's holds
 
 
 def test_ragged_rows_gathered_rows_and_continued_prompts():
@@ -111,7 +123,7 @@ def test_ragged_rows_gathered_rows_and_continued_prompts():
 
 @pytest.mark.parametrize("scheme", ["fp16", "int8", "awq"])
 def test_greedy_tokens_equal_the_reference(scheme):
-    ref, fast = pair(TINY, scheme, seed=11)
+    ref, fast = pair(TINY, scheme, seed=11)  # fp32 weights: fp16's are tested on the real model, with margins
     tok = byte_tokenizer(TINY.vocab_size)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [8, 64]]  # ragged: a batch decodes rows at different positions
     cfg = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
@@ -126,9 +138,26 @@ def test_int8_op_equals_int8_linear_bit_for_bit(static):
     act, amax = (ActQuant.STATIC, 2.5) if static else (ActQuant.DYNAMIC, None)
     lins = [Int8Linear.from_dense(torch.randn(n, 1536, generator=g), act, amax) for n in (96, 32, 32)]
     x = torch.randn(7, 1536, generator=g) * 3  # K = 1536: past fp32's exact 2^24 for a single product sum
+    x[3] *= 1e-10  # a row below the smallest range (AMAX_MIN)
     op = make_op(lins, torch.float32)
     assert isinstance(op, Int8Op)
     assert torch.equal(op(x), torch.cat([lin(x) for lin in lins], dim=-1))
+    for row in x.split(1):  # one row takes the scalar path
+        assert torch.equal(op(row), torch.cat([lin(row) for lin in lins], dim=-1))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_op_takes_a_one_row_norm_into_its_scale(static):
+    """normed_row(x, w) is the op of rms_norm(x) * w with 1 / rms folded into the activation scale: the same
+    codes but where fp32 rounding moves a tie (a rare code one step away)."""
+    g = torch.Generator().manual_seed(5)
+    act, amax = (ActQuant.STATIC, 4.0) if static else (ActQuant.DYNAMIC, None)
+    lins = [Int8Linear.from_dense(torch.randn(n, 576, generator=g), act, amax) for n in (96, 32)]
+    op, w = make_op(lins, torch.float32), torch.rand(576, generator=g) + 0.5
+    for scale in (1e-3, 1.0, 300.0):
+        x = torch.randn(1, 576, generator=g) * scale
+        want = torch.cat([lin(rms_norm(x, w, 1e-5)) for lin in lins], dim=-1)
+        assert rel_err(op.normed_row(x, w, 1e-5), want) < 1e-3
 
 
 def test_linears_that_cannot_share_a_weight_run_side_by_side():
@@ -148,6 +177,20 @@ def test_dense_layout_by_shape(shape):
     op = DenseOp([w], torch.float32)
     assert op.transposed == (shape[0] >= shape[1])
     torch.testing.assert_close(op(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_fp16_weights_one_row_in_fp16_several_rows_in_fp32():
+    """fp16 weights: one row through the fp16 GEMV (fp32 accumulation, an fp16 output), several rows (or upcast)
+    through an fp32 GEMM of the same fp16 values."""
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(960, 576, generator=g), torch.randn(3, 576, generator=g)
+    op = DenseOp([w], torch.float16)
+    assert op.halves and not op.transposed and op.w.dtype == torch.float16
+    exact = (x.double() @ w.half().double().T)  # [3, 960]: the fp16 weights' exact products
+    many, one, wide = op(x), op(x[:1]), op(x[:1], upcast=True)
+    assert many.dtype == wide.dtype == torch.float32 and one.dtype == torch.float16
+    assert rel_err(many, exact) < 1e-6 and rel_err(wide, exact[:1]) < 1e-6
+    assert rel_err(one, exact[:1]) < 1e-3  # x rounded to fp16 and the output too; the sum in fp32
 
 
 def test_fp32_norm_is_the_reference_norm_bit_for_bit():
@@ -180,6 +223,12 @@ def test_threads_are_set_for_each_call_and_restored():
     torch.set_num_threads(2)
     fast.forward(torch.tensor([[1, 2, 3]]))
     assert torch.get_num_threads() == 2 and fast.threads == 1
+    cache = fast.new_cache(1, 8)
+    sampler = TorchSampler(SamplingConfig(temperature=0), 1, ref.config.vocab_size)
+    seen = []
+    sampler.sample = lambda logits, rows: seen.append(torch.get_num_threads()) or logits.argmax(-1)
+    fast.decode_sampled(torch.tensor([5]), cache, [0], sampler)
+    assert seen == [1] and torch.get_num_threads() == 2 and cache.lengths.tolist() == [1]
     assert 1 <= default_threads() <= max(1, torch.get_num_threads())
     with pytest.raises(ConfigError, match="threads"):
         CpuModel(ref.weights, threads=0)
@@ -192,23 +241,72 @@ def test_token_ids_outside_the_vocabulary_are_refused(bad):
         fast.forward(torch.tensor([[1, bad]]))
 
 
-@needs_smollm2
-def test_smollm2_greedy_tokens_equal_the_reference():
-    """The default model: the fast backend's greedy reply, teacher-forced through the reference's full forward,
-    is the reference's argmax at every position, and the logits agree to fp32 rounding."""
+def test_fp16_overflow_is_recomputed_in_fp32(monkeypatch):
+    """A one-row step whose fp16 product overflows (a down projection past 65504) is run again on fp32 products:
+    finite logits, as the reference's, and the cache holds the recomputed K/V."""
+    config = CONFIGS["gqa"]
+    weights = ModelWeights.from_state_dict(config, random_state_dict(config, seed=3))
+    layer = weights.layers[1]
+    up, down = (DenseLinear(lin.dense_weight() * f) for lin, f in ((layer.w_up, 100), (layer.w_down, 1e3)))
+    weights = replace(weights, layers=[weights.layers[0], replace(layer, w_up=up, w_down=down),
+                                       *weights.layers[2:]])  # down outputs ~2e5: fp32's range, not fp16's
+    ref, fast = ReferenceModel(weights), CpuModel(weights, threads=1, weight_dtype=FP16)
+    runs = []
+    real = CpuModel._steps
+    monkeypatch.setattr(CpuModel, "_steps", lambda self, *a, **k: runs.append(k["upcast"]) or real(self, *a, **k))
+    tokens = torch.randint(0, config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    caches = ref.new_cache(1, 8), fast.new_cache(1, 8)
+    ref.forward(tokens[:, :5], caches[0])
+    fast.forward(tokens[:, :5], caches[1])  # several rows: fp32 GEMMs of the fp16 weights, no overflow
+    got = fast.forward(tokens[:, 5:], caches[1])
+    assert runs == [False, False, True] and torch.isfinite(got).all()
+    close(got, ref.forward(tokens[:, 5:], caches[0]), "fp16", FP16)
+    close(caches[1].v[2], caches[0].v[2], "fp16", FP16)
+
+
+def smollm2_weights():
     from model_zoo.load import load_model
     from model_zoo.quant.checkpoint import build_weights
 
     loaded = load_model(str(SMOLLM2), dtype=torch.float32)
-    weights = build_weights(loaded, torch.float32, "cpu")
-    fast = CpuModel(weights)
-    prompt = loaded.tokenizer.encode("The capital of France is")
+    return loaded.tokenizer, build_weights(loaded, torch.float32, "cpu")
+
+
+@needs_smollm2
+def test_smollm2_greedy_tokens_equal_the_reference():
+    """The default model with fp32 weights: the fast backend's greedy reply, teacher-forced through the
+    reference's full forward, is the reference's argmax at every position, and the logits agree to fp32
+    rounding."""
+    tokenizer, weights = smollm2_weights()
+    fast = CpuModel(weights, weight_dtype=FP32)
+    prompt = tokenizer.encode("The capital of France is")
     cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
-    reply = generate(fast, loaded.tokenizer, [prompt], cfg)[0][0].tokens
+    reply = generate(fast, tokenizer, [prompt], cfg)[0][0].tokens
     tokens = torch.tensor([prompt + reply])
     want = ReferenceModel(weights).forward(tokens)[0, len(prompt) - 1:-1]  # [16, V]
     assert want.argmax(-1).tolist() == reply
     assert rel_err(fast.forward(tokens)[0, len(prompt) - 1:-1], want) < 1e-5
+
+
+@needs_smollm2
+def test_smollm2_fp16_decode_steps_against_the_reference():
+    """The default run (fp16 weights, one row a step): the greedy reply, teacher-forced through the fp32
+    reference, is its argmax wherever the reference's top two logits are 0.1 apart or more (on this prompt:
+    everywhere), and each step's logits are within 3e-3 of the reference's (measured ~1e-3)."""
+    tokenizer, weights = smollm2_weights()
+    fast = CpuModel(weights)
+    assert fast.weight_dtype is FP16 and "weights in fp16" in fast.compute
+    prompt = tokenizer.encode("The capital of France is")
+    cache = fast.new_cache(1, 40)
+    steps = [fast.forward(torch.tensor([prompt]), cache)[0, -1]]  # [V]
+    for _ in range(23):
+        steps.append(fast.forward(steps[-1].argmax().view(1, 1), cache)[0, 0])
+    reply = [int(s.argmax()) for s in steps]
+    want = ReferenceModel(weights).forward(torch.tensor([prompt + reply[:-1]]))[0, len(prompt) - 1:]  # [24, V]
+    top2 = want.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= 0.1
+    assert clear.sum() >= 20 and want.argmax(-1)[clear].tolist() == torch.tensor(reply)[clear].tolist()
+    assert rel_err(torch.stack(steps), want) < 3e-3
 
 
 def test_open_model_prepares_an_awq_checkpoint_at_load(tmp_path_factory, monkeypatch):
@@ -232,6 +330,22 @@ def test_open_model_prepares_an_awq_checkpoint_at_load(tmp_path_factory, monkeyp
     opened = open_model(str(out), device=DeviceChoice.cpu)
     assert isinstance(opened.backend, CpuModel) and opened.backend.scheme == "awq"
     assert len(calls) == 7 * config.n_layers and opened.load_s > 0 and "load" in opened.describe()
+    assert "weights in fp16" in opened.describe()  # the default CPU dtype, said where the speed is reported
     cfg = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
     generate(opened.backend, opened.tokenizer, [opened.tokenizer.encode("hello")], cfg)
     assert len(calls) == 7 * config.n_layers
+
+
+def test_cpu_dtype_option_chooses_the_weights(capsys, monkeypatch, model_dir):
+    """`fllama generate` keeps float weights in fp16 by default and says so; `--cpu-dtype fp32` keeps the
+    reference's fp32."""
+    from tests.test_cli import fllama
+
+    said = {}
+    for extra in ((), ("--cpu-dtype", "fp32")):
+        code, _, err = fllama(capsys, monkeypatch, "generate", model_dir, "-p", "hello", "-n", "4",
+                              "--temperature", "0", "--device", "cpu", *extra)
+        assert code == 0, err
+        said[extra] = " ".join(err.split())
+    assert "float weights in fp16, fp32 accumulation" in said[()]
+    assert "fp32 compute" in said[("--cpu-dtype", "fp32")] and "in fp16" not in said[("--cpu-dtype", "fp32")]

@@ -163,3 +163,16 @@ def test_points_load_in_layer_order(tmp_path):
     names = list(back.points)
     assert names[:5] == ["layers.0.qkv", "layers.0.o", "layers.0.gate_up", "layers.0.down", "layers.1.qkv"]
     assert names.index("layers.2.down") < names.index("layers.10.qkv")
+
+
+def test_rope_scaling_is_part_of_the_model_identity():
+    import dataclasses
+
+    from calibrate.stats import config_hash
+    from model_zoo.config import LlamaConfig
+
+    scaled = LlamaConfig.from_name("llama3.1-8b")
+    assert scaled.rope_scaling is not None
+    plain = dataclasses.replace(scaled, rope_scaling=None)
+    other = dataclasses.replace(scaled, rope_scaling=dataclasses.replace(scaled.rope_scaling, factor=16.0))
+    assert len({config_hash(scaled), config_hash(plain), config_hash(other)}) == 3

@@ -70,11 +70,15 @@ def fp32_dir(out: Path) -> Path:
     return d
 
 
-def perplexity(checkpoint: Path, seq_len: int, eval_tokens: int) -> float:
+def evaluate_checkpoint(checkpoint: Path, fp32: Path, seq_len: int, eval_tokens: int) -> dict:
+    """Perplexity on the evaluation text and KL(fp32 || checkpoint) per token: the KL measures only the
+    quantization's damage, where a perplexity can also move by luck."""
     loaded = load_model(str(checkpoint))
     model = ReferenceModel(build_weights(loaded, torch.float32, "cpu"))
+    baseline = None if checkpoint == fp32 else ReferenceModel(build_weights(load_model(str(fp32)), torch.float32, "cpu"))
     windows = token_windows(loaded.tokenizer.encode(load_text(EVAL_TEXT)), seq_len, eval_tokens)  # [n, L]
-    return evaluate(model, windows, EvalConfig(seq_len=seq_len, max_tokens=eval_tokens)).perplexity
+    r = evaluate(model, windows, EvalConfig(seq_len=seq_len, max_tokens=eval_tokens), baseline)
+    return {"perplexity": r.perplexity, "kl": r.kl_divergence or 0.0}
 
 
 def run_fllama(src: Path, windows: torch.Tensor, group_size: int, method: AwqMethod, dest: Path,
@@ -231,24 +235,24 @@ def main(argv: list[str] | None = None) -> None:
             (dest / RESULT_FILE).write_text(json.dumps({"search_seconds": round(seconds, 1), "threads": args.threads}))
     # every checkpoint of these group sizes under --out, earlier runs' and tagged variants included
     dirs = [src] + sorted(d for g in sizes for d in args.out.glob(f"*-g{g}") if (d / "config.json").is_file())
-    results = {d.name: _result(d, args.seq_len, args.eval_tokens) for d in dirs}
+    results = {d.name: _result(d, src, args.seq_len, args.eval_tokens) for d in dirs}
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
         print(json.dumps(results))
         return
     base = results["fp32"]["perplexity"]
-    print(f"{'checkpoint':<22} {'perplexity':>10} {'vs fp32':>8} {'search s':>9}")
+    print(f"{'checkpoint':<22} {'perplexity':>10} {'vs fp32':>8} {'KL':>7} {'search s':>9}")
     for name, r in results.items():
-        print(f"{name:<22} {r['perplexity']:>10.3f} {100 * (r['perplexity'] / base - 1):>+7.1f}% "
+        print(f"{name:<22} {r['perplexity']:>10.3f} {100 * (r['perplexity'] / base - 1):>+7.1f}% {r['kl']:>7.4f} "
               f"{r.get('search_seconds', ''):>9}")
 
 
-def _result(checkpoint: Path, seq_len: int, eval_tokens: int) -> dict:
-    """The checkpoint's lab_result.json, its perplexity measured once for these evaluation settings."""
+def _result(checkpoint: Path, fp32: Path, seq_len: int, eval_tokens: int) -> dict:
+    """The checkpoint's lab_result.json, its perplexity and KL measured once for these evaluation settings."""
     path = checkpoint / RESULT_FILE
     result = json.loads(path.read_text()) if path.is_file() else {}
-    if result.get("eval") != [seq_len, eval_tokens]:
-        result.update(perplexity=perplexity(checkpoint, seq_len, eval_tokens), eval=[seq_len, eval_tokens])
+    if result.get("eval") != [seq_len, eval_tokens] or "kl" not in result:
+        result.update(evaluate_checkpoint(checkpoint, fp32, seq_len, eval_tokens), eval=[seq_len, eval_tokens])
         path.write_text(json.dumps(result))
     return result
 

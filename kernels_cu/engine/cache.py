@@ -30,6 +30,7 @@ class GpuCache:
     prefill_graphs: OrderedDict = field(default_factory=OrderedDict)
     prefill_seen: set = field(default_factory=set)  # prefill shapes run once, eagerly
     static: dict = field(default_factory=dict)  # buffers the decode graphs use: tokens, active, row, lens, row_amax
+    views: dict = field(default_factory=dict)  # m -> rows 0..m-1 as a cache of their own (engine/pipe.py)
 
     @property
     def bucket(self) -> int:

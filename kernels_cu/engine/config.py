@@ -31,3 +31,10 @@ class EngineConfig:
     # decode step reads of it halves. Its cost in quality is in docs/quality.md; off by default, since the
     # checkpoint's fp16 head is what other engines run
     lm_head_int8: bool = False
+    # decode steps the generation loop keeps queued ahead of reading their tokens (engine/pipe.py): 2 hides the
+    # host's per-token work behind the next step; the third absorbs a slow token (a GC pause, a long stream write)
+    pipe_depth: int = 3
+
+    def __post_init__(self) -> None:
+        if self.pipe_depth < 1:
+            raise DeviceError(f"pipe_depth must be >= 1, got {self.pipe_depth}")

@@ -25,12 +25,14 @@ from kernels_cu.engine.cache import GpuCache, alloc_cache, kv_position_bytes
 from kernels_cu.engine.config import EngineConfig, bucket_of
 from kernels_cu.engine.graphs import PrefillGraphs, api, record
 from kernels_cu.engine.layer import GpuLayer, run_layer
+from kernels_cu.engine.pipe import EnginePipe
 from kernels_cu.engine.plan import PREFILL, StepPlan, plan_step
 from kernels_cu.engine.sampler import GpuRowSampler, bucket_sampler
 from kernels_cu.int8_gemm import DeferredQuant
 from kernels_cu.rope_kv import rope_kv, rope_positions, rope_table
 from kernels_cu.sampling import GpuSampler, StepState
 from kernels_cu.tuning import DEFAULT, Tuning
+from model_zoo.backend import check_token_ids
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import DeviceError, PromptError
 from model_zoo.sampling import SamplingConfig
@@ -211,6 +213,7 @@ class Engine:
         prefill_graph=False: a prefill runs eagerly even when its shape has a graph (benchmarks: a new prompt's
         time to first token)."""
         B, S = tokens.shape
+        check_token_ids(tokens, self.config.vocab_size)  # an id outside the table would read another row's memory
         if cache is None:
             cache = self.new_cache(B, S, scratch=True)
         rows_l = list(range(B)) if rows is None else [int(r) for r in rows]
@@ -380,6 +383,10 @@ class Engine:
         with build.on_stream():
             for _ in range(steps):
                 graph.replay()
+
+    def decode_pipe(self, cache: GpuCache, sampler: GpuRowSampler) -> EnginePipe:
+        """Decode steps of `cache` queued ahead of the host (model_zoo.decode_pipe)."""
+        return EnginePipe(self._capture, self.tuning, self.cfg.pipe_depth, cache, sampler)
 
     @api
     def make_sampler(self, cfg: SamplingConfig, batch: int) -> GpuRowSampler:

@@ -70,6 +70,9 @@ def norm_in(h: torch.Tensor, w: torch.Tensor, op: Any, fold: FoldOut | None, eps
         raise DeviceError("a row-max buffer is cleared by the int8 deferred norm's quantization only")
     if fold is not None:
         return fold.xg, fold.consumer(eps)
+    by_op = getattr(op, "norm_input", None)  # fp8 (engine/fp8_op.py): the GEMV may apply the norm itself
+    if by_op is not None and (x := by_op(h, w, eps)) is not None:
+        return x, None
     return (rmsnorm_quant(h, w, eps, op.amax) if op.int8 else rmsnorm(h, w, eps)), None
 
 

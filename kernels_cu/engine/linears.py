@@ -12,6 +12,7 @@ import torch
 from kernels_cu.awq_gemm import awq_gemm
 from kernels_cu.awq_gemv import awq_linear, gemv_takes, pack_for_gemv
 from kernels_cu.awq_gemv import folds as awq_folds
+from kernels_cu.engine.fp8_op import fuse_fp8
 from kernels_cu.fp16_gemv import DECODE_MAX_M, fp16_linear, fp16_swiglu
 from kernels_cu.int8_gemm import (DeferredQuant, NormQuant, int8_gemm, int8_gemm_deferred, int8_gemm_norm,
                                   int8_swiglu, int8_swiglu_norm)
@@ -21,7 +22,7 @@ from kernels_cu import tuning
 from model_zoo.errors import DeviceError
 from model_zoo.linear import DenseLinear
 from model_zoo.quant.int8 import ActQuant
-from model_zoo.quant.linear import AwqLinear, Int8Linear
+from model_zoo.quant.linear import AwqLinear, Fp8Linear, Int8Linear
 
 
 class Fp16Op:
@@ -128,7 +129,7 @@ class Int8Op:
 
 def fuse(linears: list, device: torch.device, swiglu: bool = False) -> Any:
     """One GPU op for linears that read the same input (q|k|v, gate|up), concatenated along N; `swiglu`
-    lets an op that can (fp16, AWQ) apply silu(gate) * up itself."""
+    lets an op that can (fp16, AWQ, fp8) apply silu(gate) * up itself."""
     first = linears[0]
     if isinstance(first, Int8Linear):
         qweight = torch.cat([l.qweight for l in linears]).to(device)  # [sum N, K]
@@ -138,6 +139,8 @@ def fuse(linears: list, device: torch.device, swiglu: bool = False) -> Any:
             raise DeviceError("fused int8 linears need one static activation scale")  # load_quantized_weights unifies
         amax = torch.tensor([float(first.a_amax)], dtype=torch.float32, device=device) if static else None
         return Int8Op(qweight.contiguous(), w_scale.contiguous(), amax)
+    if isinstance(first, Fp8Linear):
+        return fuse_fp8(linears, device, swiglu=swiglu)  # engine/fp8_op.py: Fp8Op
     if isinstance(first, AwqLinear):
         qweight = torch.cat([l.qweight for l in linears], dim=1).to(device)  # [K, sum N / 8]
         qzeros = torch.cat([l.qzeros for l in linears], dim=1).to(device)  # [K/G, sum N / 8]

@@ -7,7 +7,7 @@ import torch
 
 from kernels_cu import build
 from kernels_cu.engine.graphs import api
-from kernels_cu.sampling import GpuSampler
+from kernels_cu.sampling import GpuSampler, params_row
 from kernels_cu.tuning import Tuning
 from model_zoo.sampling import SamplingConfig, fresh_seed
 
@@ -26,12 +26,21 @@ def bucket_sampler(samplers: dict[int, GpuSampler], cfg: SamplingConfig, bucket:
 
 
 class GpuRowSampler:
-    """The generation loop's sampler interface over a bucket's GpuSampler."""
+    """The generation loop's sampler interface over a bucket's GpuSampler; its rows are the cache's rows."""
 
     def __init__(self, gpu: GpuSampler, tuning: Tuning):
         self.gpu, self.tuning = gpu, tuning
+
+    @staticmethod
+    def check_config(cfg: SamplingConfig) -> None:
+        """ConfigError for what the GPU sampler cannot do (top-k above its limit), before a request is queued."""
+        params_row(cfg)
+
+    @api
+    def configure_row(self, row: int, cfg: SamplingConfig) -> None:
+        """A new sequence in `row` with its own sampling parameters and seed (a server's request)."""
         with build.on_stream():
-            self.logits = torch.zeros(gpu.batch, gpu.vocab, dtype=torch.float32, device=gpu.out.device)  # [Bb, V]
+            self.gpu.configure_row(row, cfg)
 
     @api
     def observe(self, row: int, tokens: list[int]) -> None:
@@ -40,8 +49,7 @@ class GpuRowSampler:
 
     @api
     def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """logits [b, V] of cache rows `rows` -> tokens [b] (int64); the other rows' state is untouched."""
         with build.on_stream():
-            idx = torch.tensor(rows, device=self.logits.device)
-            self.logits[idx] = logits.float()
-            out = self.gpu.sample(self.logits)  # [B] int32; rows not asked for are ignored
-            return out[idx].long()
+            idx = torch.tensor(rows, dtype=torch.int32).pin_memory().to(self.gpu.out.device, non_blocking=True)
+            return self.gpu.sample(logits.float().contiguous(), rows=idx).long()  # [b]

@@ -46,12 +46,13 @@ def wanted(name: str, n_layers: int | None) -> bool:
 
 
 def cast_floats(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) if v.is_floating_point() and not k.endswith(SCALE_SUFFIXES) else v
-            for k, v in sd.items()}
+    # fp8 (one-byte float) tensors are quantized codes, kept as stored like int8 ones
+    return {k: v.to(dtype) if v.is_floating_point() and v.element_size() > 1 and not k.endswith(SCALE_SUFFIXES)
+            else v for k, v in sd.items()}
 
 
 def stored_dtype(sd: Mapping[str, torch.Tensor]) -> str:
-    """The dtype of the linear layers' weights: 'bfloat16', 'int8' (W8A8) or 'int32' (packed int4)."""
+    """The dtype of the linear layers' weights: 'bfloat16', 'int8' / 'float8_e4m3fn' (W8A8) or 'int32' (int4)."""
     linear = {k: v for k, v in sd.items() if "_proj." in k and k.endswith((".weight", ".qweight"))}
     count: Counter[str] = Counter()
     for v in (linear or sd).values():

@@ -29,10 +29,14 @@ def int8_round_trip(w: torch.Tensor) -> torch.Tensor:
 
 
 def _format_line(qcfg: Any) -> str | None:
-    """The stored layout when it is not the scheme's own (a GPTQ checkpoint runs as AWQ int4)."""
+    """The stored layout when the scheme alone does not say it: a GPTQ checkpoint (run as AWQ int4), or fp8's
+    layout, scale granularity and activations."""
     d = describe_quantization(qcfg)
     if "format" not in d:
         return None
+    if d["scheme"] == Scheme.FP8.value:
+        return (f"{d['format']} (e4m3, weight scales per {' / '.join(d['weight_scales'])}, activations "
+                f"{' / '.join(d['act'])})")
     return f"{d['format']} (group {d['group_size']}, {'sym' if d['sym'] else 'asym'}, desc_act {d['desc_act']})"
 
 

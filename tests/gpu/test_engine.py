@@ -427,3 +427,14 @@ def test_deferred_int8_quantization_gives_the_same_bits(name, rows):
     assert torch.equal(outs[0], outs[1])
     eager, _ = decode_steps(Engine(w, EngineConfig(max_len=64, use_graphs=False), t), tokens, 7, max_len=32)
     assert torch.equal(eager, outs[0])
+
+
+@pytest.mark.parametrize("bad", [-1, 1000])
+def test_token_ids_outside_the_vocabulary_are_refused(bad):
+    from model_zoo.errors import PromptError
+
+    eng, _ = engine_and_ref(CONFIGS["gqa4-d64"], "fp16")  # vocabulary of 1,000
+    with pytest.raises(PromptError, match="outside the model's vocabulary"):
+        eng.forward(torch.tensor([[1, bad, 2]]))
+    with pytest.raises(PromptError, match="outside the model's vocabulary"):
+        eng.forward(torch.tensor([[bad]]), eng.new_cache(1, 16))

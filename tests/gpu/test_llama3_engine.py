@@ -157,8 +157,18 @@ def test_llama3_vocabulary_head_and_greedy_sampler(tied, lm_head_int8):
     tok = Tokenizer.byte_fallback(128256)
     cfg = GenerationConfig(max_new_tokens=16, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
     prompts = [tok.encode("a"), tok.encode("the 128k vocabulary")]
-    got = [r.tokens for r in generate(eng, tok, prompts, cfg)[0]]
-    assert got == [r.tokens for r in generate(ref, tok, prompts, cfg)[0]]
+    for p, r in zip(prompts, generate(eng, tok, prompts, cfg)[0]):
+        assert_greedy_under_reference(ref, p, r.tokens)
+
+
+def assert_greedy_under_reference(ref, prompt: list[int], got: list[int], tol: float = 0.05) -> None:
+    """Each token the engine chose greedily is the reference's argmax given the same prefix, or within `tol`
+    standard deviations of the logits below it: over 128k random-weight logits, near-ties that fp16 may order
+    differently than fp32 occur, after which the sequences (rightly) part."""
+    logits = ref.forward(torch.tensor([prompt + got]))[0, len(prompt) - 1:-1]  # [n, V]: what predicts each token
+    chosen = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+    gap = (logits.max(-1).values - chosen) / logits.std(-1)
+    assert float(gap.max()) <= tol, gap.tolist()
 
 
 @pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.8, top_k=40, top_p=0.95),

@@ -119,7 +119,7 @@ def test_ties_at_the_kth_value_are_all_candidates():
 
 def test_step_state_feeds_the_next_step():
     """With a StepState the sampler writes the next step's ids and advances the active rows' lengths, finished
-    rows included (they feed eos_ids[0])."""
+    rows included (they feed eos_ids[0]); an inactive row draws nothing and writes nothing."""
     V = 1000
     logits = randn(3, V, seed=4, dtype=torch.float16)
     logits[:, 2] = -60.0
@@ -129,10 +129,11 @@ def test_step_state_feeds_the_next_step():
                      torch.tensor([10, 20, 30], dtype=torch.int32, device="cuda"),
                      torch.tensor([1, 1, 0], dtype=torch.int32, device="cuda"))
     first = s.sample(logits, step).tolist()
-    assert step.next_ids.tolist() == first and first[1] == 7
+    assert step.next_ids.tolist() == first[:2] + [-1] and first[1] == 7
     assert step.lengths.tolist() == [11, 21, 30]
+    assert s.rng[:, 1].tolist() == [1, 1, 0] and int(s.seen[2].sum()) == 0  # row 2 is idle
     second = s.sample(logits, step).tolist()
-    assert second[1] == 2 and step.next_ids.tolist() == second  # finished: eos_ids[0]
+    assert second[1] == 2 and step.next_ids.tolist() == second[:2] + [-1]  # finished: eos_ids[0]
     assert step.lengths.tolist() == [12, 22, 30]
 
 
@@ -150,7 +151,7 @@ def test_finished_rows_stay_finished_and_output_eos():
     assert second[1] == 2  # finished: eos_ids[0]
     assert second[0] == first[0] and second[2] == first[2]
     assert s.finished.tolist() == [0, 1, 0]
-    assert int(s.rng[2]) == int(rng_before[2]) and torch.equal(s.seen[1], seen_before[1])
+    assert int(s.rng[1, 1]) == int(rng_before[1, 1]) and torch.equal(s.seen[1], seen_before[1])
 
 
 def test_every_eos_id_finishes_a_row():
@@ -175,7 +176,7 @@ def test_rng_advances_and_reseeding_repeats():
     a, b = s.sample(logits).clone(), s.sample(logits).clone()
     assert not torch.equal(a, b), "two calls drew the same tokens in every row"
     assert len(set(a.tolist())) > 10, "rows share one random stream"
-    assert s.rng[1:].tolist() == [2] * B
+    assert s.rng[:, 1].tolist() == [2] * B
     s.reset(99)
     assert_equal(s.sample(logits), a, "same seed, same first draw")
 
@@ -195,7 +196,7 @@ def test_sampling_replays_in_a_cuda_graph_with_fresh_draws():
         g.replay()
         seen.append(s.out.clone())
     build.synchronize()
-    assert s.rng[1:].tolist() == [3] * B
+    assert s.rng[:, 1].tolist() == [3] * B
     assert not (torch.equal(seen[0], seen[1]) and torch.equal(seen[1], seen[2]))
     s.reset(5)
     s.set_config(SamplingConfig(temperature=0.0))  # new values, same buffer: the graph turns greedy

@@ -1,0 +1,445 @@
+// FP8 E4M3 W8A8 decode GEMV (model_zoo/quant/fp8.py's contract, fp8_common.cuh):
+//   y[m, n] = fp16((acc * a_scale[m]) * w_scale[n])  (+ residual[m, n]),  acc = sum_k x8[m, k] * w8[n, k] in fp32
+//
+// fp8_gemv_mt{1,2}[_res]: the memory-bound decode kernel, int8_gemm.cu's tiling with e4m3 operands: block = 8 warps
+//   owning 16 output channels, the warps split K and meet in shared memory; per 64-wide k tile a lane takes 16
+//   bytes of weight rows g and g + 8 (from gemm_common.cuh's ring of whole lines in dynamic shared memory) and 16
+//   codes of its token row g (per 8-token tile), converts both to exact fp16 pairs in registers (cvt e4m3x2 ->
+//   f16x2) and feeds four m16n8k16 mma (Fp8Mma): weights the A operand (16 channels), tokens the B operand (8
+//   tokens), so D = y^T and M <= 8 wastes no weight bandwidth. Every weight byte is read once per 8 MT tokens,
+//   the same bytes as the int8 GEMV.
+// fp8_gemv_mt{1,2}_silu: the same for a gate|up weight interleaved by 8 (swiglu_layout.py: block rows 0-7 = gate
+//   channels 8b.., rows 8-15 = the same up channels; w_scale in the same order), with the SwiGLU in the epilogue:
+//   y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up (silu_mul.cu's rounding of the two products).
+// fp8_gemv_xq[_res|_silu]: the same for up to 8 fp16 token rows that the kernel quantizes itself (fp8_quantize's
+//   work, so the decode step has no quantize kernel before the GEMV): after the PDL wait every block finds its rows'
+//   max |x| (Fp8AmaxHook: one read of the rows from L2, one barrier), and each lane turns its 16 fp16 values a tile
+//   into their e4m3 codes as exact fp16 values (Fp8QuantX) for the same mma. The codes, scales and sums are
+//   fp8_quantize + fp8_gemv's, bit for bit. Every block reads the whole rows, so the engine uses it for few rows
+//   (tuning.fp8_xq_max_rows).
+// fp8_gemv_nq[_silu]: the same for up to 8 rows of an RMSNorm's input h (q|k|v and gate|up of a one-row decode
+//   step, with no norm kernel before them): the prologue (Fp8NormHook) computes each row's 1 / rms exactly as
+//   rmsnorm.cu does (its sum of squares in the norm kernel's order) and the max of y = w * fp16(h / rms), and each
+//   lane computes its tile's y and codes in registers (Fp8NormQuantX): rmsnorm + fp8_quantize + fp8_gemv's bits.
+// fp8_gemv_xq1[_res|_silu], fp8_gemv_nq1[_silu]: the same for ONE row (the batch-1 decode step), where the loaders
+//   above would have each of the 32 lanes quantize 16 values a tile for its own token row (7 of 8 of them empty):
+//   Fp8RowQuantX / Fp8NormRowQuantX spread the row's 64 values a tile over the warp (lane (g, t) values 16 t + 2 g,
+//   +1: one 4-byte read, one pair quantized) and gather each t's 8 words with shuffles. Every lane then holds
+//   token 0's values (the mma's columns 1-7 repeat column 0 and are never stored). The same codes, products and
+//   sums as the 8-row entries: bit for bit; ~2.4x fewer instructions a weight byte in the main loop.
+// grid (ceil(M / (8 MT)), ceil(N / 16)): a panel's token tiles are neighbouring blocks and share its lines in L2
+// (each still converts every weight of the panel), which lets the engine use it up to tuning.fp8_gemv_max_m rows.
+#include "fp8_common.cuh"
+
+using namespace fllama;
+
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int UNROLL = 4;  // 64-wide k tiles per warp step: 16 rows x 256 bytes of weight lines
+constexpr int TILE_K = 64;
+
+// fp8_gemv_xq's prologue, right after the PDL wait: each of the block's rows' scales (fp8_quantize's rule) into
+// s_scale[row] for the epilogue, and the scale's inverse of this lane's token row g into *inv for Fp8QuantX. The rows
+// are read as one flat range (x is contiguous), NV 16-byte loads a thread in flight, each folded into its row's
+// running max (the row selected in an unrolled loop, so a[] stays in registers); static: the stored scale.
+struct Fp8AmaxHook {
+    float* inv;      // the lane's token row's 1 / a_scale (a local of the kernel: a register after inlining)
+    float* s_scale;  // [8] shared: a_scale of each row
+    float* s_inv;    // [8] shared
+    float* s_red;    // [8][WARPS] shared
+    const __half* x;
+    const float* static_scale;
+    int m0, rows, K, g;
+
+    __device__ __forceinline__ void operator()() const {
+        constexpr int NV = 8, THREADS = 32 * WARPS;
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        if (static_scale != nullptr) {
+            float i, sc;
+            fp8_static_scales(*static_scale, i, sc);
+            *inv = i;
+            if (tid < rows) s_scale[tid] = sc;  // read after the epilogue's barrier
+            return;
+        }
+        const int n8 = K / 8, total = rows * n8;  // 8-value chunks of the block's rows
+        const __half* x0 = x + (size_t)m0 * K;
+        float a[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) a[r] = 0.0f;
+        for (int base = 0; base < total; base += NV * THREADS) {
+            Half8 v[NV];
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = base + tid + j * THREADS;
+                if (c < total) v[j] = load_half8(x0 + (size_t)8 * c);
+            }
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = base + tid + j * THREADS;
+                if (c >= total) continue;
+                const float m = half8_absmax(v[j]);
+                if (rows == 1) {  // block-uniform
+                    a[0] = fmaxf(a[0], m);
+                } else {
+                    const int row = c / n8;
+#pragma unroll
+                    for (int r = 0; r < 8; ++r) a[r] = row == r ? fmaxf(a[r], m) : a[r];
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            if (r >= rows) break;  // block-uniform
+            a[r] = warp_max(a[r]);
+            if (lane == 0) s_red[r * WARPS + warp] = a[r];
+        }
+        __syncthreads();
+        if (tid < rows) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, s_red[tid * WARPS + w]);
+            fp8_dyn_scales(amax, s_inv[tid], s_scale[tid]);
+        }
+        __syncthreads();
+        *inv = g < rows ? s_inv[g] : 0.0f;
+    }
+};
+
+// fp8_gemv_xq's activations: the lane's 16 fp16 values of a tile (32 bytes, GlobalX32's reads), each pair turned into
+// the exact fp16 values of its e4m3 codes once the step's math is done (finish).
+struct Fp8QuantX {
+    static constexpr bool LOAD_FIRST = false;  // the hook must have found inv first
+    using Raw = X32;
+    using Value = X32;
+    const float* inv;
+
+    __device__ __forceinline__ X32 load(const void* p, bool ok) const {
+        return {ld_cached(p, ok), ld_cached(static_cast<const uint8_t*>(p) + 16, ok)};
+    }
+    __device__ __forceinline__ X32 finish(X32 r) const {
+        const float s = *inv;
+        r.lo = make_uint4(fp8_fake_quant2(r.lo.x, s), fp8_fake_quant2(r.lo.y, s), fp8_fake_quant2(r.lo.z, s),
+                          fp8_fake_quant2(r.lo.w, s));
+        r.hi = make_uint4(fp8_fake_quant2(r.hi.x, s), fp8_fake_quant2(r.hi.y, s), fp8_fake_quant2(r.hi.z, s),
+                          fp8_fake_quant2(r.hi.w, s));
+        return r;
+    }
+};
+
+// fp8_gemv_nq's prologue: the RMSNorm of the block's rows, then their scales. Row r's sum of squares in
+// rmsnorm_plain_nv<nv>'s order with `vt` threads (row_launch's; vt <= 256): virtual thread v < vt adds chunks
+// v + j vt, j < nv, by fmaf in order, then rmsnorm's block_sum (a butterfly per warp, the warps' sums in lanes < 8,
+// zeros beyond, a butterfly again; the warps past vt / 32 add zeros, which changes no bit), then its rinv. The max
+// |y| of the row's y = w * fp16(h * rinv) gives the scales (fp8_quantize's rule on the norm kernel's output).
+struct Fp8NormHook {
+    float* rinv;     // the lane's token row's 1 / rms (a register after inlining)
+    float* inv;      // ... and its 1 / a_scale
+    float* s_scale;  // [8] shared: a_scale of each row
+    float* s_inv;    // [8] shared
+    float* s_rinv;   // [8] shared
+    float* s_red;    // [8][WARPS] shared
+    const __half* h;
+    const __half* nw;
+    const float* static_scale;
+    float eps;
+    int vt, nv, m0, rows, K, g;
+
+    __device__ __forceinline__ void operator()() const {
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n_vec = K / 8;
+        for (int r = 0; r < rows; ++r) {  // block-uniform
+            const __half* hr = h + (size_t)(m0 + r) * K;
+            float s = 0.0f;
+            if (tid < vt) {
+                for (int j = 0; j < nv; ++j) {
+                    const int c = tid + j * vt;
+                    if (c < n_vec) {
+                        const Half8 v = load_half8(hr + 8 * c);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            const float f = half8_get(v, i);
+                            s = __fmaf_rn(f, f, s);
+                        }
+                    }
+                }
+            }
+            s = warp_sum(s);
+            if (lane == 0) s_red[warp] = s;
+            __syncthreads();
+            const float total = warp_sum(lane < WARPS ? s_red[lane] : 0.0f);
+            if (tid == 0) s_rinv[r] = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(total, (float)K), eps)));
+            __syncthreads();  // s_rinv[r] for all; s_red free for the next row
+        }
+        if (static_scale == nullptr) {
+            for (int r = 0; r < rows; ++r) {  // block-uniform
+                const __half* hr = h + (size_t)(m0 + r) * K;
+                const float ri = s_rinv[r];
+                float m = 0.0f;
+                for (int c = tid; c < n_vec; c += 32 * WARPS) {
+                    const Half8 v = load_half8(hr + 8 * c), w = load_half8(nw + 8 * c);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const __half y = __hmul_rn(half8_geth(w, i), __float2half_rn(__fmul_rn(half8_get(v, i), ri)));
+                        m = fmaxf(m, fabsf(__half2float(y)));
+                    }
+                }
+                m = warp_max(m);
+                if (lane == 0) s_red[r * WARPS + warp] = m;
+            }
+            __syncthreads();
+            if (tid < rows) {
+                float amax = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) amax = fmaxf(amax, s_red[tid * WARPS + w]);
+                fp8_dyn_scales(amax, s_inv[tid], s_scale[tid]);
+            }
+        } else if (tid < rows) {
+            fp8_static_scales(*static_scale, s_inv[tid], s_scale[tid]);
+        }
+        __syncthreads();
+        const int gr = g < rows ? g : 0;
+        *inv = s_inv[gr];
+        *rinv = s_rinv[gr];
+    }
+};
+
+// fp8_gemv_nq's activations: the lane's 16 values of h and of the norm weight a tile, turned into y = w * fp16(h *
+// rinv) (rmsnorm.cu's two roundings) and then into the exact fp16 values of y's e4m3 codes once the step's math is done.
+struct Fp8NormQuantX {
+    static constexpr bool LOAD_FIRST = false;  // the hook must have found rinv and inv first
+    struct Raw {
+        X32 h, w;
+    };
+    using Value = X32;
+    const __half* row;  // the lane's token row of h (its x_row points into it)
+    const __half* nw;
+    const float* rinv;
+    const float* inv;
+
+    __device__ __forceinline__ Raw load(const void* p, bool ok) const {
+        const __half* w = nw + (static_cast<const __half*>(p) - row);
+        return {{ld_cached(p, ok), ld_cached(static_cast<const uint8_t*>(p) + 16, ok)},
+                {ld_cached(w, ok), ld_cached(w + 8, ok)}};
+    }
+    __device__ __forceinline__ uint32_t y2(uint32_t h2, uint32_t w2) const {
+        const float2 f = __half22float2(bits_h2(h2));
+        const float ri = *rinv;
+        const __half2 normed = __floats2half2_rn(__fmul_rn(f.x, ri), __fmul_rn(f.y, ri));
+        return fp8_fake_quant2(h2_bits(__hmul2_rn(bits_h2(w2), normed)), *inv);
+    }
+    __device__ __forceinline__ X32 finish(const Raw& r) const {
+        X32 o;
+        o.lo = make_uint4(y2(r.h.lo.x, r.w.lo.x), y2(r.h.lo.y, r.w.lo.y), y2(r.h.lo.z, r.w.lo.z), y2(r.h.lo.w, r.w.lo.w));
+        o.hi = make_uint4(y2(r.h.hi.x, r.w.hi.x), y2(r.h.hi.y, r.w.hi.y), y2(r.h.hi.z, r.w.hi.z), y2(r.h.hi.w, r.w.hi.w));
+        return o;
+    }
+};
+
+// One row (fp8_gemv_xq1*): lane (g, t) reads fp16 values 16 t + 2 g, +1 of a tile (p is its 16-value chunk; the 32
+// lanes read one 128-byte run) and quantizes that pair (fp8_fake_quant2, Fp8QuantX's bits); word j of chunk t is
+// lane 4 j + t's pair, gathered by shuffles into every lane of that t. inv: row 0's, in every lane (the hook's g 0).
+__device__ __forceinline__ X32 gather_chunk(uint32_t mine, int t) {
+    X32 v;
+    v.lo = make_uint4(__shfl_sync(FULL_MASK, mine, t), __shfl_sync(FULL_MASK, mine, 4 + t),
+                      __shfl_sync(FULL_MASK, mine, 8 + t), __shfl_sync(FULL_MASK, mine, 12 + t));
+    v.hi = make_uint4(__shfl_sync(FULL_MASK, mine, 16 + t), __shfl_sync(FULL_MASK, mine, 20 + t),
+                      __shfl_sync(FULL_MASK, mine, 24 + t), __shfl_sync(FULL_MASK, mine, 28 + t));
+    return v;
+}
+
+struct Fp8RowQuantX {
+    static constexpr bool LOAD_FIRST = true;  // the read needs no scale: in flight with the hook's reads
+    using Raw = uint32_t;                     // the lane's two fp16 values
+    using Value = X32;
+    const float* inv;
+    int g, t;
+
+    __device__ __forceinline__ uint32_t load(const void* p, bool ok) const {
+        return ok ? __ldg(reinterpret_cast<const unsigned*>(static_cast<const __half*>(p) + 2 * g)) : 0u;
+    }
+    __device__ __forceinline__ X32 finish(uint32_t r) const { return gather_chunk(fp8_fake_quant2(r, *inv), t); }
+};
+
+// One row of an RMSNorm's input (fp8_gemv_nq1*): the same spread, each lane's pair of h and of the norm weight turned
+// into y's codes by Fp8NormQuantX::y2 (its bits).
+struct Fp8NormRowQuantX {
+    static constexpr bool LOAD_FIRST = true;
+    struct Raw {
+        uint32_t h, w;
+    };
+    using Value = X32;
+    Fp8NormQuantX q;  // row = h (x_row's origin), nw, rinv, inv
+    int g, t;
+
+    __device__ __forceinline__ Raw load(const void* p, bool ok) const {
+        const size_t i = static_cast<size_t>(static_cast<const __half*>(p) - q.row) + 2 * g;
+        if (!ok) return {0u, 0u};
+        return {__ldg(reinterpret_cast<const unsigned*>(q.row + i)), __ldg(reinterpret_cast<const unsigned*>(q.nw + i))};
+    }
+    __device__ __forceinline__ X32 finish(const Raw& r) const { return gather_chunk(q.y2(r.h, r.w), t); }
+};
+
+// EPI: 0 plain, 1 + residual, 2 SwiGLU (N = the weight's 2F rows, y [M, N / 2]).
+// XQ: XQ_CODES x8 and a_scale; XQ_X x16 fp16 [M, K] (and static_scale, or null for per-token scales) instead;
+// XQ_NORM x16 an RMSNorm's input h, with nq its weight and launch shape (MT 1 for both). ROW: M == 1 (the *1 entries).
+enum XqMode { XQ_CODES = 0, XQ_X = 1, XQ_NORM = 2 };
+struct NormArgs {
+    const __half* w;  // the norm weight [K]
+    float eps;
+    int vt, nv;  // rmsnorm.cu's launch for a row of K: threads, vectors a thread
+};
+template <int MT, int EPI, int XQ, bool ROW = false>
+__device__ __forceinline__ void fp8_gemv(__half* __restrict__ y, const uint8_t* __restrict__ x8,
+                                         const float* __restrict__ a_scale, int a_stride,
+                                         const __half* __restrict__ x16, const float* __restrict__ static_scale,
+                                         NormArgs nq, const uint8_t* __restrict__ w8,
+                                         const float* __restrict__ w_scale, const __half* residual, int M, int N,
+                                         int K) {
+    static_assert(XQ == XQ_CODES || MT == 1, "the self-quantizing GEMV holds 8 token rows");
+    static_assert(!ROW || XQ != XQ_CODES, "the one-row loaders quantize fp16 rows");
+    if (ROW && M != 1) __trap();  // the launcher's rule (fp8_gemm.py)
+    __shared__ float red[WARPS][MT][4][32];
+    __shared__ float s_scale[8], s_inv[8], s_rinv[8], s_red[8 * WARPS];
+    extern __shared__ __align__(128) uint8_t gemv_ring[];  // the main loop's (gemm_common.cuh)
+    if (dynamic_smem_size() < gemv_ring_bytes<WARPS, UNROLL>()) __trap();  // the launcher's shared=
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int m0 = blockIdx.x * 8 * MT, n0 = blockIdx.y * 16;
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[mt][r] = 0.0f;
+    if constexpr (XQ != XQ_CODES) {
+        bool x_ok[1];
+        const __half* x_row[1];
+        if constexpr (ROW) {  // every lane reads row 0 (its pair of each tile); x_row carries the chunk offset
+            x_ok[0] = true;
+            x_row[0] = x16 + 16 * t;
+        } else {
+            token_rows<1>(x16, M, K, m0, g, 16 * t, x_ok, x_row);
+        }
+        const int rows = min(M - m0, 8);
+        const int hg = ROW ? 0 : g;  // the token row whose scales the lane's loader uses
+        float inv = 0.0f, rinv = 0.0f;  // that row's 1 / a_scale (and 1 / rms): found by the hook
+        if constexpr (XQ == XQ_X) {
+            const Fp8AmaxHook hook{&inv, s_scale, s_inv, s_red, x16, static_scale, m0, rows, K, hg};
+            if constexpr (ROW) {
+                gemv_mainloop<WARPS, UNROLL, TILE_K>(w8, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 16 * t, warp, M,
+                                                     acc, Fp8MmaX16{}, hook, Fp8RowQuantX{&inv, g, t});
+            } else {
+                gemv_mainloop<WARPS, UNROLL, TILE_K>(w8, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 16 * t, warp, M,
+                                                     acc, Fp8MmaX16{}, hook, Fp8QuantX{&inv});
+            }
+        } else {
+            const Fp8NormHook hook{&rinv, &inv, s_scale, s_inv, s_rinv, s_red, x16, nq.w, static_scale, nq.eps,
+                                   nq.vt, nq.nv, m0, rows, K, hg};
+            const Fp8NormQuantX q{x_row[0] - 16 * t, nq.w, &rinv, &inv};
+            if constexpr (ROW) {
+                gemv_mainloop<WARPS, UNROLL, TILE_K>(w8, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 16 * t, warp, M,
+                                                     acc, Fp8MmaX16{}, hook, Fp8NormRowQuantX{q, g, t});
+            } else {
+                gemv_mainloop<WARPS, UNROLL, TILE_K>(w8, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 16 * t, warp, M,
+                                                     acc, Fp8MmaX16{}, hook, q);
+            }
+        }
+    } else {
+        bool x_ok[MT];
+        const uint8_t* x_row[MT];
+        token_rows<MT>(x8, M, K, m0, g, 16 * t, x_ok, x_row);
+        gemv_mainloop<WARPS, UNROLL, TILE_K>(w8, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, 16 * t, warp, M, acc,
+                                             Fp8Mma{});
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[warp][mt][r][lane] = acc[mt][r];
+    __syncthreads();  // red, and XQ's s_scale
+
+    // MT * 128 partial sums per warp; 256 threads take one each (MT <= 2): thread (r, l) of token tile mt holds
+    // D register r of lane l, i.e. channel n0 + l / 4 (+ 8 for r >= 2) of token m0 + 8 mt + 2 (l % 4) + (r & 1)
+    if (threadIdx.x >= MT * 128) return;
+    const int mt = threadIdx.x >> 7, r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
+    auto red_sum = [&](int rr) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += red[w][mt][rr][l];
+        return sum;
+    };
+    const int m = m0 + mt * 8 + 2 * (l & 3) + (r & 1);
+    auto scale_of = [&](int mm) { return XQ != XQ_CODES ? s_scale[mm - m0] : a_scale[(size_t)mm * a_stride]; };
+    if (EPI == 2) {  // r 0, 1: gate channel l / 4 of this panel; r + 2: the matching up channel
+        if (r < 2 && m < M) {
+            const float as = scale_of(m);
+            const int n = n0 + (l >> 2);
+            const __half gate = fp8_epilogue(red_sum(r), as, w_scale[n], nullptr);
+            const __half up = fp8_epilogue(red_sum(r + 2), as, w_scale[n + 8], nullptr);
+            y[(size_t)m * (N / 2) + blockIdx.y * 8 + (l >> 2)] = __hmul_rn(silu_h(__half2float(gate)), up);
+        }
+        return;
+    }
+    const int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0);
+    if (n < N && m < M) {
+        const size_t o = (size_t)m * N + n;
+        y[o] = fp8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
+    }
+}
+
+}  // namespace
+
+// (y fp16 [M,N] (SwiGLU: [M,N/2]), x8 e4m3 [M,K], a_scale f32 [M] or [1], int a_stride (1 or 0), w8 e4m3 [N,K],
+//  w_scale f32 [N], residual fp16 [M,N] or null, int M, int N, int K); K % 16 == 0 (SwiGLU: N % 16 == 0);
+//  grid (ceil(M / (8 MT)), ceil(N / 16)), block 256, dynamic shared memory the ring (gemm_shapes.gemv_shared).
+#define FLLAMA_FP8_GEMV(NAME, MT, EPI)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+        NAME(__half* y, const uint8_t* x8, const float* a_scale, int a_stride, const uint8_t* w8,                \
+             const float* w_scale, const __half* residual, int M, int N, int K) {                                \
+        fp8_gemv<MT, EPI, XQ_CODES>(y, x8, a_scale, a_stride, nullptr, nullptr, NormArgs{}, w8, w_scale,         \
+                                    residual, M, N, K);                                                          \
+    }
+
+FLLAMA_FP8_GEMV(fp8_gemv_mt1, 1, 0)
+FLLAMA_FP8_GEMV(fp8_gemv_mt2, 2, 0)
+FLLAMA_FP8_GEMV(fp8_gemv_mt1_res, 1, 1)
+FLLAMA_FP8_GEMV(fp8_gemv_mt2_res, 2, 1)
+FLLAMA_FP8_GEMV(fp8_gemv_mt1_silu, 1, 2)
+FLLAMA_FP8_GEMV(fp8_gemv_mt2_silu, 2, 2)
+
+// The self-quantizing entries: (y, x fp16 [M,K], static_scale f32 [1] or null (per-token scales), w8, w_scale,
+//  residual or null, int M, int N, int K); grid (ceil(M / 8), ceil(N / 16)), as fp8_gemv_mt1.
+// fp8_gemv_xq1*: the same arguments, M == 1 (the one-row loader).
+#define FLLAMA_FP8_GEMV_XQ(NAME, EPI, ROW)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+        NAME(__half* y, const __half* x, const float* static_scale, const uint8_t* w8, const float* w_scale,     \
+             const __half* residual, int M, int N, int K) {                                                      \
+        fp8_gemv<1, EPI, XQ_X, ROW>(y, nullptr, nullptr, 0, x, static_scale, NormArgs{}, w8, w_scale, residual,  \
+                                    M, N, K);                                                                    \
+    }
+
+FLLAMA_FP8_GEMV_XQ(fp8_gemv_xq, 0, false)
+FLLAMA_FP8_GEMV_XQ(fp8_gemv_xq_res, 1, false)
+FLLAMA_FP8_GEMV_XQ(fp8_gemv_xq_silu, 2, false)
+FLLAMA_FP8_GEMV_XQ(fp8_gemv_xq1, 0, true)
+FLLAMA_FP8_GEMV_XQ(fp8_gemv_xq1_res, 1, true)
+FLLAMA_FP8_GEMV_XQ(fp8_gemv_xq1_silu, 2, true)
+
+// One to 8 rows of an RMSNorm's input, normalized and quantized in the GEMV: (y, h fp16 [M,K], norm_w fp16 [K],
+//  float eps, int vt, int nv (rmsnorm.cu's row launch for K: threads <= 256, vectors a thread), static_scale f32 [1]
+//  or null, w8, w_scale, int M, int N, int K); grid (ceil(M / 8), ceil(N / 16)), as fp8_gemv_mt1. Capped at 80
+//  registers (no spills): three blocks a SM as the ring's shared memory allows, where h's and w's next tiles in
+//  flight take 102 registers (two blocks) without the cap.
+//  fp8_gemv_nq1*: the same arguments, M == 1 (the one-row loader).
+#define FLLAMA_FP8_GEMV_NQ(NAME, EPI, ROW)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                         \
+        NAME(__half* y, const __half* h, const __half* norm_w, float eps, int vt, int nv,                        \
+             const float* static_scale, const uint8_t* w8, const float* w_scale, int M, int N, int K) {          \
+        fp8_gemv<1, EPI, XQ_NORM, ROW>(y, nullptr, nullptr, 0, h, static_scale, NormArgs{norm_w, eps, vt, nv},   \
+                                       w8, w_scale, nullptr, M, N, K);                                           \
+    }
+
+FLLAMA_FP8_GEMV_NQ(fp8_gemv_nq, 0, false)
+FLLAMA_FP8_GEMV_NQ(fp8_gemv_nq_silu, 2, false)
+FLLAMA_FP8_GEMV_NQ(fp8_gemv_nq1, 0, true)
+FLLAMA_FP8_GEMV_NQ(fp8_gemv_nq1_silu, 2, true)

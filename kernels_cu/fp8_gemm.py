@@ -1,0 +1,242 @@
+"""FP8 E4M3 W8A8 linears (fp8_gemm.cu, fp8_wgmma.cu) and their torch references: model_zoo/quant/fp8.py's contract.
+
+    acc[m, n] = sum_k x8[m, k] * w8[n, k]                          fp32 (each e4m3 product is exact)
+    y[m, n]   = fp16((acc * a_scale[m]) * w_scale[n])              (+ residual[m, n], an fp16 add)
+
+x8 are the activation codes fp8_quantize.fp8_quantize made (per-token or static scales), w8 the weight codes
+float8_e4m3fn [N, K] with a scale per output channel. Only the order of the fp32 sums differs from the CPU
+reference, so the outputs agree to fp32 summation order, and the decode GEMV quantizes its input exactly as the
+prefill GEMM does: decode and prefill share one numeric, the reference's.
+
+Up to tuning.fp8_gemv_max_m rows: fp8_gemv (decode), a memory-bound tensor-core GEMV that converts both operands
+to exact fp16 in registers; it reads the same bytes as the int8 GEMV. More rows on Hopper: fp8_wgmma (wgmma e4m3,
+f32 accumulators); elsewhere (Ada) the GEMV at any M. `fp8_linear` (the engine's call) quantizes first, or up to
+tuning.fp8_xq_max_rows rows runs fp8_gemv_xq, which quantizes its fp16 input itself: the same codes and sums, bit
+for bit, and no quantize kernel in the decode step (one row: fp8_gemv_xq1, whose warps share the row's work). `fp8_linear_norm` takes a NormIn (an RMSNorm's input and
+weight) and runs fp8_gemv_nq, which also applies the norm: rmsnorm + fp8_quantize + fp8_gemv's bits, and no norm
+kernel. `fp8_swiglu`: a gate|up weight interleaved by 8 (swiglu_layout.py, w_scale in the same order) ->
+silu(gate) * up [M, F] from either kernel's epilogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels_cu import build, fp8_wgmma, tuning
+from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.fp8_quantize import FP8, check_static_scale, fp8_quantize, fp8_quantize_ref
+from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_ROWS, GEMV_THREADS, cdiv, gemv_grid, gemv_shared,
+                                    token_tile)
+from kernels_cu.rmsnorm import rmsnorm, rmsnorm_ref
+from kernels_cu.swiglu_layout import swiglu_interleaved
+from model_zoo.errors import ConfigError
+
+CODES = (FP8, torch.uint8)  # e4m3 codes, as float8_e4m3fn or their bytes
+SIGNATURE = fp8_wgmma.SIGNATURE  # the GEMV entries take the same arguments
+XQ_SIGNATURE = "PPPPPPiii"  # fp8_gemv_xq*: y, x, static_scale, w8, w_scale, residual, M, N, K
+XQ_ROWS = 8  # token rows a self-quantizing GEMV block takes
+NQ_SIGNATURE = "PPPfiiPPPiii"  # fp8_gemv_nq*: y, h, norm_w, eps, threads, nv, static_scale, w8, w_scale, M, N, K
+
+
+def fp8_gemm(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+             wgmma: bool | None = None) -> torch.Tensor:
+    """x8 e4m3 [M, K], a_scale fp32 [M] or [1], w8 e4m3 [N, K], w_scale fp32 [N] -> y fp16 [M, N] (+ residual).
+
+    wgmma: None chooses the kernel (fp8_wgmma.takes); True forces fp8_wgmma.cu at any M (tests, benchmarks: an
+    sm_90 GPU, N % 16 == 0); False the GEMV at any M."""
+    M, K, N = _check(x8, a_scale, w8, w_scale, residual)
+    with build.on_stream():
+        y = out_or_new(out, (M, N), torch.float16, x8, "out", align=4)
+        _run(y, x8, a_scale, w8, w_scale, residual, "res" if residual is not None else "plain", wgmma)
+    return y
+
+
+def fp8_swiglu(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+               out: torch.Tensor | None = None, wgmma: bool | None = None) -> torch.Tensor:
+    """The gate|up linear with the SwiGLU in its epilogue: w8 [2F, K] and w_scale [2F] interleaved by 8
+    (swiglu_layout.interleave_gate_up) -> silu(gate) * up fp16 [M, F], silu_mul's rounding of the two products."""
+    M, K, N2 = _check(x8, a_scale, w8, w_scale, None)
+    check_multiple(N2, 16, "an interleaved gate|up weight's rows")
+    with build.on_stream():
+        y = out_or_new(out, (M, N2 // 2), torch.float16, x8, "out", align=4)
+        _run(y, x8, a_scale, w8, w_scale, None, "silu", wgmma)
+    return y
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, static_scale: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, swiglu: bool = False, xq: bool | None = None) -> torch.Tensor:
+    """The whole fp8 linear of an fp16 input x [M, K]: fp8_quantize (per token, or static_scale fp32 [1]), then
+    fp8_gemm (+ residual) or, with swiglu, fp8_swiglu (w8, w_scale interleaved). xq: the GEMV quantizes x itself
+    (fp8_gemv_xq, the same bits; None: up to tuning.fp8_xq_max_rows rows)."""
+    if swiglu and residual is not None:
+        raise ValueError("the SwiGLU epilogue takes no residual")
+    if xq is None:
+        xq = x.dim() == 2 and x.shape[0] <= tuning.current().fp8_xq_max_rows
+    if xq:
+        return _xq(x, w8, w_scale, static_scale, residual, swiglu)
+    x8, a_scale = fp8_quantize(x, static_scale)
+    if swiglu:
+        return fp8_swiglu(x8, a_scale, w8, w_scale)
+    return fp8_gemm(x8, a_scale, w8, w_scale, residual)
+
+
+@dataclass(frozen=True)
+class NormIn:
+    """An fp8 linear's input that is still an RMSNorm's: h fp16 [M, K] (the residual stream) and the norm's weight
+    fp16 [K] and eps. fp8_linear_norm normalizes and quantizes it inside the GEMV (rmsnorm + fp8_quantize's bits)."""
+
+    h: torch.Tensor
+    w: torch.Tensor
+    eps: float
+
+    def normed(self) -> torch.Tensor:
+        """rmsnorm(h, w, eps) [M, K], the norm kernel's output, for a consumer that does not take NormIn."""
+        return rmsnorm(self.h, self.w, self.eps)
+
+
+def norm_launch(k: int) -> tuple[int, int] | None:
+    """(vectors a thread, threads) of rmsnorm.cu's launch for a row of k, which fp8_gemv_nq's 256 threads emulate:
+    None where the norm kernel takes more threads (rows beyond 16,384 values)."""
+    try:
+        nv, threads = row_launch(k // 8)
+    except ConfigError:  # beyond the row kernels' limit: no norm kernel to match either
+        return None
+    return (nv, threads) if threads <= GEMV_THREADS else None
+
+
+def fp8_linear_norm(x: NormIn, w8: torch.Tensor, w_scale: torch.Tensor, static_scale: torch.Tensor | None = None,
+                    swiglu: bool = False) -> torch.Tensor:
+    """fp8_linear(rmsnorm(x.h, x.w, x.eps), ...) in one kernel (fp8_gemv_nq[_silu], 8 rows a block; meant for few
+    rows): the same bits."""
+    h = x.h
+    if h.dim() != 2:
+        raise ValueError(f"h must be 2-D, got {tuple(h.shape)}")
+    M, K, N = _check_weight(h, w8, w_scale, None)
+    launch = norm_launch(K)
+    if launch is None:
+        return fp8_linear(x.normed(), w8, w_scale, static_scale, swiglu=swiglu, xq=True)
+    check_tensor(h, "h", torch.float16)
+    check_tensor(x.w, "norm weight", torch.float16, (K,))
+    check_static_scale(static_scale)
+    if swiglu:
+        check_multiple(N, 16, "an interleaved gate|up weight's rows")
+    with build.on_stream():
+        y = torch.empty((M, N // 2 if swiglu else N), dtype=torch.float16, device=h.device)  # [M, F] or [M, N]
+        if M == 0 or N == 0:
+            return y
+        name = f"fp8_gemv_nq{_one_row(M)}{'_silu' if swiglu else ''}"
+        fn = build.get_function("fp8_gemm.cu", name, NQ_SIGNATURE)
+        grid = (cdiv(M, XQ_ROWS), cdiv(N, GEMV_ROWS))
+        nv, threads = launch
+        fn(grid, (GEMV_THREADS,), y, h, x.w, float(x.eps), threads, nv, static_scale, w8, w_scale, M, N, K,
+           shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+    return y
+
+
+def _xq(x, w8, w_scale, static_scale, residual, swiglu: bool) -> torch.Tensor:
+    """fp8_gemv_xq[_res|_silu] on fp16 x [M, K] (8 rows a block; meant for a few rows)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got {tuple(x.shape)}")
+    M, K, N = _check_weight(x, w8, w_scale, residual)
+    check_tensor(x, "x", torch.float16)
+    check_static_scale(static_scale)
+    if swiglu:
+        check_multiple(N, 16, "an interleaved gate|up weight's rows")
+    with build.on_stream():
+        y = torch.empty((M, N // 2 if swiglu else N), dtype=torch.float16, device=x.device)  # [M, F] or [M, N]
+        if M == 0 or N == 0:
+            return y
+        suffix = "_silu" if swiglu else "_res" if residual is not None else ""
+        fn = build.get_function("fp8_gemm.cu", f"fp8_gemv_xq{_one_row(M)}{suffix}", XQ_SIGNATURE)
+        grid = (cdiv(M, XQ_ROWS), cdiv(N, GEMV_ROWS))
+        fn(grid, (GEMV_THREADS,), y, x, static_scale, w8, w_scale, residual, M, N, K,
+           shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+    return y
+
+
+def _one_row(m: int) -> str:
+    """The entry suffix of the self-quantizing GEMVs: "1" (the one-row loader: the warp shares a row's
+    quantization) for one row, else "" (each lane quantizes its own token row's values)."""
+    return "1" if m == 1 else ""
+
+
+def _run(y, x8, a_scale, w8, w_scale, residual, epilogue: str, wgmma: bool | None) -> None:
+    M, N = x8.shape[0], w8.shape[0]
+    if M == 0 or N == 0:
+        return
+    if wgmma is None:
+        wgmma = fp8_wgmma.takes(x8, N)
+    elif wgmma and (N % 16 or not build.has_wgmma(x8.device.index or 0)):
+        raise ValueError(f"fp8_wgmma needs an sm_90 GPU and N % 16 == 0, got N={N}")
+    a_stride = 1 if a_scale.numel() == M else 0
+    if wgmma:
+        fp8_wgmma.launch(y, x8, a_scale, a_stride, w8, w_scale, residual, epilogue)
+        return
+    suffix = "" if epilogue == "plain" else f"_{epilogue}"
+    fn = build.get_function("fp8_gemm.cu", f"fp8_gemv_mt{token_tile(M)}{suffix}", SIGNATURE)
+    panels, tiles = gemv_grid(M, N)
+    grid = (tiles, panels)  # a panel's token tiles side by side (they share its lines in L2)
+    fn(grid, (GEMV_THREADS,), y, x8, a_scale, a_stride, w8, w_scale, residual, M, N, x8.shape[1],
+       shared=gemv_shared(tiles * panels, GEMV_RING_BYTES))
+
+
+def fp8_gemm_ref(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The contract in float64 (exact sums), the two scales, one rounding to fp16, then the fp16 residual add."""
+    a = a_scale.double().reshape(-1).expand(x8.shape[0])  # [M]
+    acc = _codes(x8).double() @ _codes(w8).double().t()  # [M, N]
+    y = ((acc * a[:, None]) * w_scale.double()[None, :]).to(torch.float16)  # [M, N]
+    return y if residual is None else y + residual
+
+
+def fp8_swiglu_ref(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_gemm_ref's products in the interleaved order, then torch's fp16 SiLU and multiply [M, F]."""
+    return swiglu_interleaved(fp8_gemm_ref(x8, a_scale, w8, w_scale))
+
+
+def fp8_linear_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, static_scale=None,
+                   residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """fp8_linear's reference: fp8_quantize_ref, then fp8_gemm_ref or fp8_swiglu_ref."""
+    x8, a_scale = fp8_quantize_ref(x, static_scale)
+    if swiglu:
+        return fp8_swiglu_ref(x8, a_scale, w8, w_scale)
+    return fp8_gemm_ref(x8, a_scale, w8, w_scale, residual)
+
+
+def fp8_linear_norm_ref(x: NormIn, w8: torch.Tensor, w_scale: torch.Tensor, static_scale=None,
+                        swiglu: bool = False) -> torch.Tensor:
+    """fp8_linear_ref of rmsnorm_ref(h, w, eps) (the norm kernel's rounding)."""
+    return fp8_linear_ref(rmsnorm_ref(x.h, x.w, x.eps), w8, w_scale, static_scale, swiglu=swiglu)
+
+
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (float8_e4m3fn, or their bytes as uint8) as float8_e4m3fn."""
+    return t.view(FP8) if t.dtype == torch.uint8 else t
+
+
+def _check(x8, a_scale, w8, w_scale, residual) -> tuple[int, int, int]:
+    if x8.dim() != 2:
+        raise ValueError(f"x8 must be 2-D, got {tuple(x8.shape)}")
+    M, K, N = _check_weight(x8, w8, w_scale, residual)
+    check_tensor(x8, "x8", CODES)
+    if a_scale.numel() not in (M, 1):
+        raise ValueError(f"a_scale must hold {M} per-token scales or 1 per-tensor scale, got {a_scale.numel()}")
+    check_tensor(a_scale, "a_scale", torch.float32, align=4)
+    return M, K, N
+
+
+def _check_weight(x, w8, w_scale, residual) -> tuple[int, int, int]:
+    """The weight side of an fp8 linear whose input x is [M, K]: w8 e4m3 [N, K], w_scale [N], residual [M, N]."""
+    M, K = x.shape
+    if w8.dim() != 2 or w8.shape[1] != K:
+        raise ValueError(f"the input has K={K} but w8 is {tuple(w8.shape)}")
+    N = w8.shape[0]
+    check_multiple(K, 16, "the fp8 GEMM's K")
+    check_tensor(w8, "w8", CODES)
+    check_tensor(w_scale, "w_scale", torch.float32, (N,), align=16)
+    if residual is not None:
+        check_tensor(residual, "residual", torch.float16, (M, N), align=4)
+    return M, K, N

@@ -1,0 +1,84 @@
+"""FP8 E4M3 quantization of an fp16 matrix (fp8_quantize.cu): an fp8 linear's input, by model_zoo/quant/fp8.py's rule.
+
+    a_scale[row] = max(max|x| over the row, 1e-8) / 448      dynamic (per token), fp32, IEEE division
+                 = static_scale                              static (one calibrated fp32 scale), written per row
+    x8 = e4m3(clamp(x * (1 / a_scale[row]), -448, 448))       round to nearest even
+
+The kernel reproduces fp8_quantize_ref bit for bit (codes and scales), and so model_zoo's quantize_act_fp8*.
+E4M3 needs compute capability 8.9 (Ada) or newer: `require_fp8` says so in one line elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels_cu import build
+from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from model_zoo.errors import DeviceError
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-8
+SIGNATURE = "PPPPi"  # x8, a_scale, static_scale, x, K
+MIN_CAPABILITY = (8, 9)  # cvt e4m3x2 <-> f16x2 / f32 (Ada, Hopper and newer)
+
+
+def has_fp8(device_index: int) -> bool:
+    """Whether the GPU has the e4m3 conversions the fp8 kernels use (compute capability 8.9 or newer)."""
+    return torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
+
+
+def require_fp8(device_index: int) -> None:
+    """One clear line (DeviceError) on a GPU without FP8 E4M3 instructions."""
+    if not has_fp8(device_index):
+        major, minor = torch.cuda.get_device_capability(device_index)
+        raise DeviceError(f"FP8 (E4M3) checkpoints need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                          f"{torch.cuda.get_device_name(device_index)} is {major}.{minor}: run it with --device cpu, "
+                          "or use an int8 or fp16 checkpoint")
+
+
+def check_static_scale(static_scale: torch.Tensor | None) -> None:
+    """A static activation scale: None (dynamic per token) or one fp32 value on the device (a pointer, so a
+    captured graph keeps reading it)."""
+    if static_scale is None:
+        return
+    check_tensor(static_scale, "static_scale", torch.float32, align=4)
+    if static_scale.numel() != 1:
+        raise ValueError(f"static_scale must hold one value, got {static_scale.numel()}")
+
+
+def fp8_quantize_ref(x: torch.Tensor, static_scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """x [T, K] (fp16 values used as they are) -> (x8 float8_e4m3fn [T, K], a_scale fp32 [T]), the kernel's bits."""
+    x32 = x.float()
+    if static_scale is None:
+        amax = x32.abs().amax(dim=-1).clamp_min(MIN_AMAX)  # [T]
+        # tensor / tensor: torch on CUDA turns division by a Python scalar into a reciprocal multiply
+        a_scale = amax / torch.full_like(amax, FP8_MAX)  # [T]
+    else:
+        s = torch.as_tensor(static_scale, dtype=torch.float32, device=x.device).reshape(())
+        a_scale = s.expand(x.shape[0]).contiguous()  # [T]
+    inv = torch.ones_like(a_scale) / a_scale  # [T] one IEEE division per row
+    return (x32 * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), a_scale  # [T, K], [T]
+
+
+def fp8_quantize(x: torch.Tensor, static_scale: torch.Tensor | None = None, x8: torch.Tensor | None = None,
+                 a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 x [T, K] -> (x8 float8_e4m3fn [T, K], a_scale fp32 [T]); static_scale: fp32 [1] on the GPU, or None
+    for per-token scales. x8 / a_scale: outputs to write, else new."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, K], got shape {tuple(x.shape)}")
+    T, K = x.shape
+    check_multiple(K, 8, "the fp8-quantized width")
+    check_tensor(x, "x", torch.float16)
+    check_static_scale(static_scale)
+    with build.on_stream():
+        x8 = out_or_new(x8, (T, K), FP8, x, "x8", align=8)
+        a_scale = out_or_new(a_scale, (T,), torch.float32, x, "a_scale", align=4)
+        if T == 0:
+            return x8, a_scale
+        nv, threads = row_launch(K // 8)
+        mode = "dyn" if static_scale is None else "static"
+        fn = build.get_function("fp8_quantize.cu", f"fp8_quantize_{mode}_nv{nv}", SIGNATURE)
+        fn((T,), (threads,), x8, a_scale, static_scale, x, K)
+    return x8, a_scale

@@ -1,0 +1,101 @@
+"""The engine's decode pipe (kernels_cu/engine/pipe.py): steps replayed ahead of the host give the step-by-step
+loop's tokens, cache lengths and samples; a cache's leading rows decode on the smaller bucket's graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_zoo.chat import ChatSession
+from model_zoo.generation import GenerationConfig, generate
+from model_zoo.sampling import SamplingConfig
+from model_zoo.tokenizer import Tokenizer
+from tests.gpu.test_engine import CONFIGS, checkpoint
+from tests.helpers import EosTokenizer
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingConfig(temperature=0)
+
+
+def engines(name: str, scheme: str):
+    """(the engine with its default pipe depth, the same weights reading every step before launching the next)"""
+    from kernels_cu.engine import Engine, EngineConfig
+
+    eng = Engine(checkpoint(CONFIGS[name], scheme), EngineConfig(max_len=256))
+    assert eng.cfg.pipe_depth >= 2
+    return eng, eng.variant(pipe_depth=1)
+
+
+def outcome(eng, tok, prompts, cfg):
+    cache = eng.new_cache(len(prompts), 128)
+    res, stats = generate(eng, tok, prompts, cfg, cache=cache)
+    return [(r.tokens, r.text, r.finish_reason) for r in res], cache.lengths[:len(prompts)].tolist()
+
+
+@pytest.mark.parametrize("name,scheme", [("gqa4-d64", "fp16"), ("smol-like", "int8-dynamic"), ("mha-d128", "awq")])
+def test_run_ahead_equals_step_by_step(name, scheme):
+    ahead, stepwise = engines(name, scheme)
+    base = Tokenizer.byte_fallback(CONFIGS[name].vocab_size)
+    prompts = [base.encode("a"), base.encode("a longer prompt here"), base.encode("mid size")]
+    free = generate(stepwise, base, prompts, GenerationConfig(20, GREEDY, stop_at_eos=False))[0]
+    eos = EosTokenizer(base, {free[1].tokens[5]})  # row 1 ends early, the others go on
+    for tok, cfg in [(base, GenerationConfig(20, GREEDY, stop_at_eos=False)), (eos, GenerationConfig(20, GREEDY)),
+                     (base, GenerationConfig(20, GREEDY, stop_strings=(free[0].text[3:5],))),
+                     (base, GenerationConfig(2, GREEDY, stop_at_eos=False))]:
+        want = outcome(stepwise, tok, prompts, cfg)
+        assert outcome(ahead, tok, prompts, cfg) == want
+    assert outcome(ahead, eos, prompts, GenerationConfig(20, GREEDY))[0][1][2] == "eos"
+
+
+def test_seeded_sampling_equals_step_by_step():
+    ahead, stepwise = engines("gqa4-d64", "fp16")
+    tok = Tokenizer.byte_fallback(CONFIGS["gqa4-d64"].vocab_size)
+    cfg = GenerationConfig(24, SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=7),
+                           stop_at_eos=False)
+    prompts = [tok.encode("sample"), tok.encode("sample me too")]
+    assert outcome(ahead, tok, prompts, cfg) == outcome(stepwise, tok, prompts, cfg)
+
+
+def test_chat_on_the_pipe_keeps_exact_cache_lengths():
+    ahead, stepwise = engines("smol-like", "fp16")
+    tok = Tokenizer.byte_fallback(CONFIGS["smol-like"].vocab_size)
+    got = []
+    for eng in (ahead, stepwise):
+        chat = ChatSession(eng, tok, GenerationConfig(7, GREEDY, stop_at_eos=False), system="sys", max_len=256)
+        got.append([chat.send(m).text for m in ("hello", "again", "more")] + [list(chat.cached_ids)])
+        assert int(chat.cache.lengths[0]) == len(chat.cached_ids)
+    assert got[0] == got[1]
+
+
+def test_leading_rows_of_a_large_cache_run_the_small_graph():
+    """Slot 0 of a 32-row cache decodes on the batch-1 graph (a view of the same storage); a request joining slot 5
+    moves the pipe to the 8-row graph; both rows' tokens equal each run alone."""
+    from model_zoo.decode_pipe import open_pipe
+
+    eng, _ = engines("gqa4-d64", "awq")
+    V = CONFIGS["gqa4-d64"].vocab_size
+    prompts = {0: [5, 9, 11, 13], 5: [7, 3, 2, 8, 100, 4]}
+    alone = {r: generate(eng, Tokenizer.byte_fallback(V), [p], GenerationConfig(12, GREEDY, stop_at_eos=False))[0][0]
+             .tokens for r, p in prompts.items()}
+    cache = eng.new_cache(32, 64)
+    sampler = eng.make_sampler(GREEDY, 32)
+    pipe = open_pipe(eng, cache, sampler)
+
+    def prefill(r):
+        pipe.set_length(r, 0)
+        logits = eng.forward(torch.tensor([prompts[r]]), cache, torch.tensor([r]))[:, -1]
+        first = int(sampler.sample(logits, [r])[0])
+        pipe.join(r, first, len(prompts[r]))
+        return [first]
+
+    got = {0: prefill(0)}
+    for _ in range(4):
+        got[0] += pipe.launch().tokens()
+    assert set(cache.views) == {1}  # only the 1-row view has run
+    got[5] = prefill(5)
+    for _ in range(11):
+        step = pipe.launch()
+        for r, t in zip(step.rows, step.tokens()):
+            got[r].append(t)
+    assert 8 in cache.views and got[0][:12] == alone[0] and got[5][:12] == alone[5]

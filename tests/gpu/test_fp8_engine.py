@@ -1,0 +1,150 @@
+"""The engine on FP8 E4M3 W8A8 checkpoints (Fp8Linear, dynamic and static activations) against the CPU reference.
+
+The engine quantizes every linear's input as the reference does (fp8_quantize's codes are the contract's bits), in
+decode (the GEMV) and prefill (the wgmma GEMM above tuning.fp8_gemv_max_m rows), so it runs the reference's
+numerics up to fp16 activations and fp32 summation order, as the int8 engine does. The reference runs in fp32,
+so where an fp16 activation lands on the other side of an e4m3 rounding boundary the code differs by one step
+(6-12% of that value, where int8's step is ~1/127 of the row's max): the logits bound is 5e-2 where int8's is
+2e-2 (the CPU reference in fp16 against itself in fp32 on these checkpoints: 2.6-3.6% for fp8, 1.4-1.7% for int8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.gpu.conftest import GPU_STACK, SKIP_REASON
+
+if not GPU_STACK:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from kernels_cu.fp8_quantize import has_fp8  # noqa: E402
+from model_zoo.generation import GenerationConfig, generate  # noqa: E402
+from model_zoo.quant.int8 import ActQuant  # noqa: E402
+from model_zoo.quant.linear import Fp8Linear  # noqa: E402
+from model_zoo.reference import ReferenceModel  # noqa: E402
+from model_zoo.sampling import SamplingConfig  # noqa: E402
+from model_zoo.tokenizer import Tokenizer  # noqa: E402
+from model_zoo.weights import ModelWeights, random_state_dict  # noqa: E402
+from tests.gpu.test_engine import CONFIGS, decode_steps, rel  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_fp8(torch.cuda.current_device())),
+    reason="FP8 E4M3 needs compute capability 8.9 or newer")]
+SCHEMES = ("fp8-dynamic", "fp8-static")
+STATIC_SCALE = 4.0 / 448  # an activation range of 4, as test_engine's static int8 checkpoints
+LOGITS_REL = 5e-2  # see the module docstring
+
+
+def checkpoint(config, scheme: str, seed: int = 0) -> ModelWeights:
+    """Random weights quantized by model_zoo's Fp8Linear (per-channel e4m3 weights), as a loaded checkpoint."""
+    sd = random_state_dict(config, seed=seed)
+    sd["model.embed_tokens.weight"] *= 0.05 * config.hidden_size ** 0.5  # logits of a trained model's scale
+    w = ModelWeights.from_state_dict(config, sd, meta={"scheme": "fp8"})
+    static = scheme == "fp8-static"
+    layers = []
+    for layer in w.layers:
+        lin = {attr: Fp8Linear.from_dense(dense.dense_weight().float(), ActQuant.STATIC if static else ActQuant.DYNAMIC,
+                                          STATIC_SCALE if static else None)
+               for attr, dense in layer.linears().items()}
+        layers.append(dataclasses.replace(layer, **lin))
+    return dataclasses.replace(w, layers=layers).to(dtype=torch.float16)
+
+
+def engine_and_ref(config, scheme: str, **cfg):
+    from kernels_cu.engine import Engine, EngineConfig
+
+    w = checkpoint(config, scheme)
+    return Engine(w, EngineConfig(max_len=256, **cfg)), ReferenceModel(w.to("cpu", torch.float32))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prefill_and_decode_logits_match_reference(name, scheme):
+    """37 tokens x 2 rows: the prefill's 74 rows run the wgmma GEMM on Hopper (the GEMV elsewhere), decode the GEMV."""
+    config = CONFIGS[name]
+    eng, ref = engine_and_ref(config, scheme)
+    tokens = torch.randint(0, config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    want = ref.forward(tokens)  # [2, 37, V] fp32 on the CPU
+    got = eng.forward(tokens)
+    assert torch.isfinite(got).all()
+    assert rel(got, want) < LOGITS_REL, f"prefill {name} {scheme}"
+    steps, cache = decode_steps(eng, tokens, 30)
+    assert rel(steps.transpose(0, 1), want[:, 30:]) < LOGITS_REL, f"decode {name} {scheme}"
+    assert cache.lengths.tolist()[:2] == [37, 37]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_tokens_equal_reference_for_32_steps(scheme):
+    config = CONFIGS["smol-like"]
+    eng, ref = engine_and_ref(config, scheme)
+    tok = Tokenizer.byte_fallback(config.vocab_size)
+    cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    prompt = [tok.encode("The engine and the reference agree")]
+    assert generate(eng, tok, prompt, cfg)[0][0].tokens == generate(ref, tok, prompt, cfg)[0][0].tokens
+
+
+def test_ragged_batch_equals_each_prompt_alone():
+    config = CONFIGS["gqa4-d64"]
+    eng, _ = engine_and_ref(config, "fp8-dynamic")
+    tok = Tokenizer.byte_fallback(config.vocab_size)
+    cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    prompts = [tok.encode(p) for p in ("a", "a much longer prompt than the first one", "middle one", "xy z")]
+    batch = generate(eng, tok, prompts, cfg)[0]
+    for p, row in zip(prompts, batch):
+        assert row.tokens == generate(eng, tok, [p], cfg)[0][0].tokens
+
+
+def test_graph_replay_equals_eager_decode_and_the_plan():
+    from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.engine.fp8_op import Fp8Op
+
+    config = CONFIGS["gqa4-d64"]
+    w = checkpoint(config, "fp8-static")
+    graphed, eager = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, use_graphs=False))
+    assert all(isinstance(op, Fp8Op) for l in graphed.layers for op in (l.qkv, l.o, l.gate_up, l.down))
+    assert graphed.layers[0].gate_up.swiglu and not graphed.plan(1).folds_any
+    tokens = torch.randint(0, config.vocab_size, (3, 12))
+    outs = [decode_steps(eng, tokens, 8)[0] for eng in (graphed, eager)]
+    assert rel(outs[0], outs[1]) < 1e-3
+    for op in (graphed.layers[0].qkv, graphed.layers[0].down):  # one byte a weight and an fp32 scale a channel
+        assert op.w8.dtype == torch.float8_e4m3fn and op.nbytes() == op.w8.numel() + 4 * op.w8.shape[0]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_one_row_fused_step_equals_the_unfused_kernels_bitwise(scheme):
+    """At one row the GEMVs apply the RMSNorm and quantize their input themselves (fp8_gemv_nq / _xq): five kernels a
+    layer. With tuning.fp8_xq_max_rows = 0 the norm and quantize kernels run instead: the same logits, bit for bit."""
+    from kernels_cu.engine import Engine, EngineConfig
+
+    config = CONFIGS["smol-like"]
+    fused = Engine(checkpoint(config, scheme), EngineConfig(max_len=128))
+    plain = fused.variant(fp8_xq_max_rows=0)
+    tokens = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    a, b = (decode_steps(eng, tokens, 12)[0] for eng in (fused, plain))
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_kv_int8_with_fp8_linears():
+    config = CONFIGS["smol-like"]
+    eng, ref = engine_and_ref(config, "fp8-dynamic", kv_int8=True)
+    tokens = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    want = ref.forward(tokens)
+    cache = eng.new_cache(2, 64)
+    got = torch.cat([eng.forward(tokens[:, :32], cache)] +
+                    [eng.forward(tokens[:, i:i + 1], cache) for i in range(32, 40)], 1)
+    assert rel(got, want) < LOGITS_REL + 2e-2  # the int8 cache's own error on top (test_engine: 5e-2 with fp16)
+
+
+def test_gpu_without_fp8_gets_one_line(monkeypatch):
+    """On compute capability < 8.9 the engine refuses fp8 weights with one DeviceError line (faked here)."""
+    from kernels_cu import fp8_quantize
+    from kernels_cu.engine import Engine, EngineConfig
+    from model_zoo.errors import DeviceError
+
+    monkeypatch.setattr(fp8_quantize, "has_fp8", lambda index: False)
+    with pytest.raises(DeviceError) as e:
+        Engine(checkpoint(CONFIGS["gqa4-d64"], "fp8-dynamic"), EngineConfig(max_len=64))
+    assert "\n" not in str(e.value) and "8.9 or newer" in str(e.value)
