@@ -38,13 +38,14 @@ class AwqConfig:
     # v_proj -> o_proj scales under GQA, shared by the query heads of a KV head (MHA models always get o scales):
     # exact and cheap, but no measurable gain on SmolLM2-135M (docs/quality.md), so off by default
     gqa_o_scaling: bool = False
-    # candidates are judged with each group's quantization step rounded to fp16, as the checkpoint stores it
-    # (AutoAWQ on a GPU computes in fp16 too); False: fp32 steps, as AutoAWQ on a CPU in fp32
-    fp16_steps: bool = True
+    # True: candidates are judged with each group's quantization step rounded to fp16, as the checkpoint stores it
+    # (AutoAWQ on a GPU computes in fp16 too); the default, fp32 steps, measured better on SmolLM2 (docs/quality.md)
+    fp16_steps: bool = False
     clip: bool = True  # weight-clipping search
     clip_grid: int = 20  # shrink ratios 1 - i/clip_grid ...
     max_shrink: float = 0.5  # ... for i < max_shrink * clip_grid: 1.0 down to 0.55 (AutoAWQ)
-    clip_objective: ClipObjective = ClipObjective.ROW
+    # ROW measured worse than GROUP on SmolLM2 at g32 and g64 (31.59 / 32.99 against 31.36 / 32.47)
+    clip_objective: ClipObjective = ClipObjective.GROUP
     clip_tokens: int = 4096  # tokens (strided over the captured ones) for the clip search; AutoAWQ takes 512
     search_tokens: int = 4096  # the scale search uses the first samples that hold this many tokens
     layer_input: LayerInput = LayerInput.SCALED

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 
 from calibrate.awq import (AwqConfig, AwqLayerResult, LayerInput, apply_awq, check_group_size, fake_quant_groups,
                            search_clip, search_layer, valid_group_sizes, working_weights)
-from calibrate.awq_config import SCALE_GROUPS, ClipObjective, ScaleGroup
+from calibrate.awq_config import CLIP_INPUTS, SCALE_GROUPS, ClipObjective, ScaleGroup
 from calibrate.awq_results import load_awq_results, save_awq_results
 from calibrate.awq_scale import TiedColumns, awq_scales, loss_fn, search_scale, tied_columns, weight_mean
 from calibrate.capture import CaptureConfig
 from calibrate.outputs import temp_prefix
 from calibrate.quantize import QuantConfig, quantize_awq
 from model_zoo.quant.formats import Scheme
+from model_zoo.quant.linear import AwqLinear
 from model_zoo.reference import ReferenceModel
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError, CorruptCheckpointError, FllamaError
@@ -161,7 +162,7 @@ def test_awq_beats_round_to_nearest(config):
 def test_losses_are_the_blocks_output_errors():
     """With alpha 0 only (scales 1), each loss equals the error measured through reference.layer_forward."""
     layer, x = _layer(MHA), _x()
-    result = search_layer(layer, MHA, x, AwqConfig(group_size=G, n_grid=1, clip=False, duo_scaling=False))
+    result = search_layer(layer, MHA, x, AwqConfig(group_size=G, n_grid=1, clip=False, duo_scaling=False, fp16_steps=True))
     assert all(torch.equal(s, torch.ones_like(s)) for s in result.scales.values())
     seen = {}
     _fwd(layer, MHA, x, observer=lambda p, a: seen.__setitem__(p, a))
@@ -202,7 +203,7 @@ def test_clip_search_objectives():
     def row_errors(c):  # mean over tokens of each output's squared error, the steps stored in fp16
         return (x @ (fake_quant_groups(w, G, c, scale_dtype=torch.float16) - w).T).pow(2).mean(dim=0)  # [N]
 
-    clip, err, err_none = search_clip(w, x, AwqConfig(group_size=G, clip_objective="group"))
+    clip, err, err_none = search_clip(w, x, AwqConfig(group_size=G, clip_objective="group", fp16_steps=True))
     assert clip.shape == (40, 4) and err.shape == err_none.shape == (40,)
     assert torch.allclose(err, row_errors(clip), rtol=1e-9) and torch.allclose(err_none, row_errors(unclipped), rtol=1e-9)
     each = torch.stack([group_errors(unclipped * r) for r in ratios])  # [R, N, K/G]
@@ -210,7 +211,7 @@ def test_clip_search_objectives():
     assert (clip < unclipped).any()  # the search did clip somewhere
     assert ((clip / unclipped)[..., None] - torch.tensor(ratios, dtype=torch.float64)).abs().min(-1).values.max() < 1e-12
 
-    row_clip, row_err, row_none = search_clip(w, x, AwqConfig(group_size=G, clip_objective="row"))
+    row_clip, row_err, row_none = search_clip(w, x, AwqConfig(group_size=G, clip_objective="row", fp16_steps=True))
     assert torch.allclose(row_err, row_errors(row_clip), rtol=1e-9) and torch.equal(row_none, err_none)
     assert (row_err <= err * (1 + 1e-12)).all() and row_err.sum() < 0.97 * err.sum()  # 6% here
     for gi in range(4):  # converged: no single group's other candidate lowers a row's error
@@ -226,6 +227,25 @@ def test_layer_clip_losses_and_skipped_linears():
     assert result.clips["w_down"].shape == (64, 128 // G)
     for attr in result.clips:
         assert result.losses[f"clip.{attr}"] <= result.losses[f"clip.{attr}.none"]
+
+
+def test_clip_losses_are_the_packed_checkpoints_errors():
+    """The clip search judges the weights the checkpoint will hold: steps rounded to fp16, the packer's codes."""
+    layer, x = _layer(GQA), _x()
+    for fp16 in (True, False):
+        result = search_layer(layer, GQA, x, AwqConfig(group_size=G, n_grid=4, fp16_steps=fp16))
+        scaled = apply_awq(layer, AwqLayerResult(scales=result.scales), GQA)  # scales folded, nothing clipped
+        seen = {}
+        _fwd(scaled, GQA, x, observer=lambda p, a: seen.__setitem__(p, a))
+        final = apply_awq(layer, result, GQA)
+        errs = {}
+        for attr, point in CLIP_INPUTS.items():
+            packed = AwqLinear.from_dense(getattr(final, attr).dense_weight(), G).dense_weight()  # [N, K]
+            errs[attr] = float((seen[point] @ (packed - getattr(scaled, attr).dense_weight()).T).pow(2).mean())
+        if fp16:
+            assert errs == pytest.approx({a: result.losses[f"clip.{a}"] for a in errs}, rel=1e-4)
+        else:  # fp32 steps: the search saw slightly different weights than the checkpoint holds
+            assert errs != pytest.approx({a: result.losses[f"clip.{a}"] for a in errs}, rel=1e-4)
 
 
 def test_results_round_trip_through_safetensors(tmp_path):
