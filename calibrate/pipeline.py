@@ -124,8 +124,8 @@ class QuantizeJob:
                               "does nothing here")
         given = [f"--{n.replace('_', '-')}" for n in ("data", "samples", "seq_len") if getattr(self, n) is not None]
         if given and not self.quant.reads_text:
-            raise ConfigError(f"{', '.join(given)}: no calibration text is read here (only the AWQ search and "
-                              "--act static with --smooth run the model on text)")
+            raise ConfigError(f"{', '.join(given)}: no calibration text is read here (only the AWQ search, fp8's "
+                              "GPTQ rounding or scale search, and --act static with --smooth run the model on text)")
 
 
 @dataclass(frozen=True)
@@ -152,9 +152,11 @@ def run_quantize(job: QuantizeJob, progress: QuantizeProgress | None = None,
     if stats is not None:
         stats.check_model(loaded.config, check_name=False)
     sm = stats.meta if stats is not None else {}
-    # the windows default to the stats' own, so a re-capture sees the text the ranges came from
+    # the windows default to the stats' own, so a re-capture sees the text the ranges came from; without stats,
+    # 512 tokens or the model's whole context if shorter
+    seq_len = _given(job.seq_len, sm.get("seq_len", min(512, loaded.config.max_positions)))
     data = DataConfig(source=_given(job.data, sm.get("source", "gutenberg:history")),
-                      samples=_given(job.samples, sm.get("samples", 128)), seq_len=_given(job.seq_len, sm.get("seq_len", 512)))
+                      samples=_given(job.samples, sm.get("samples", 128)), seq_len=seq_len)
     dev = torch_device(job.device)
     cap = capture_config(job.batch, dev)
     weights = build_weights(loaded, torch.float32, "cpu")
@@ -174,10 +176,12 @@ def _quantize(job: QuantizeJob, weights: ModelWeights, loaded: Any, stats: Calib
             progress(f"{stage} layers", i + 1, n)
 
     cfg = job.quant
-    if cfg.scheme in (Scheme.INT8, Scheme.FP8):
+    if cfg.scheme == Scheme.INT8:
+        return quantize_int8(weights, cfg, stats, _recapturer(loaded, data, stats, cap, progress), layers_done), {}
+    if cfg.scheme == Scheme.FP8:
+        windows = _windows(loaded, data) if cfg.fp8_reads_inputs else None  # [samples, seq_len]
         recapture = _recapturer(loaded, data, stats, cap, progress)
-        w8a8 = quantize_int8 if cfg.scheme == Scheme.INT8 else quantize_fp8
-        return w8a8(weights, cfg, stats, recapture, layers_done), {}
+        return quantize_fp8(weights, cfg, stats, recapture, layers_done, windows, cap), {}
     if cfg.scheme == Scheme.AWQ:
         windows = _windows(loaded, data) if cfg.awq_method == AwqMethod.AWQ else None  # [samples, seq_len]
         return quantize_awq(weights, cfg, windows, cap, progress=layers_done)

@@ -11,6 +11,8 @@ import torch
 
 from calibrate.awq import AwqConfig, LayerInput, apply_awq, check_group_size, search_layer, valid_group_sizes
 from calibrate.capture import CaptureConfig, LayerwiseRunner
+from calibrate.fp8_gptq import Fp8Rounding, GptqConfig, LayerHessians, gptq_fp8
+from calibrate.fp8_scale import Fp8WeightScale, search_scale_fp8
 from calibrate.methods import CalibConfig, CalibMethod, QuantGrid
 from calibrate.ranges import compute_amax, scale_from_amax
 from calibrate.smoothquant import apply_smoothing
@@ -19,9 +21,10 @@ from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
 from model_zoo.quant.formats import (Scheme, amax_as_stored, awq_quantization_config, fp8_quantization_config,
                                      int8_quantization_config)
+from model_zoo.quant.fp8 import quantize_weight_fp8, to_e4m3
 from model_zoo.quant.int8 import ActQuant
 from model_zoo.quant.linear import AwqLinear, Fp8Linear, Int8Linear
-from model_zoo.weights import ModelWeights
+from model_zoo.weights import LayerWeights, ModelWeights
 
 # which capture point feeds each linear
 POINT_OF = {"wq": "qkv", "wk": "qkv", "wv": "qkv", "wo": "o", "w_gate": "gate_up", "w_up": "gate_up",
@@ -37,6 +40,9 @@ W8A8 = (Scheme.INT8, Scheme.FP8)  # the schemes with activation quantization (st
 # --act static without --calibrator (docs/quality.md): MSE is int8's best by far; on e4m3's grid max, MSE and
 # entropy come within a point of each other and max (no clipping, llm-compressor's FP8 observer) has the lowest KL
 DEFAULT_CALIBRATOR = {Scheme.INT8: CalibMethod.MSE, Scheme.FP8: CalibMethod.MAX}
+# fp8 weights without --rounding / --weight-scale (docs/quality.md): GPTQ on e4m3's grid, scales searched
+DEFAULT_FP8_ROUNDING = Fp8Rounding.GPTQ
+DEFAULT_FP8_WEIGHT_SCALE = Fp8WeightScale.SEARCH
 
 # AWQ group sizes the kernels are built for, largest (smallest file) first: the default is the first that fits
 AWQ_GROUP_SIZES = (128, 64, 32)
@@ -54,6 +60,8 @@ class QuantConfig:
     smooth: float | None = None  # SmoothQuant alpha
     group_size: int | None = None  # awq: the largest of AWQ_GROUP_SIZES that fits the model (with_group_size)
     awq_method: AwqMethod | None = None  # awq: the search
+    rounding: Fp8Rounding | None = None  # fp8: how weights take e4m3 values (DEFAULT_FP8_ROUNDING)
+    weight_scale: Fp8WeightScale | None = None  # fp8: each channel's scale (DEFAULT_FP8_WEIGHT_SCALE)
 
     def __post_init__(self) -> None:
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
@@ -69,6 +77,9 @@ class QuantConfig:
         if not awq and (self.group_size is not None or self.awq_method is not None):
             raise ConfigError(f"--{'group-size' if self.group_size is not None else 'method'} applies to "
                               f"--scheme awq only, not {self.scheme.value}")
+        for name, value in (("rounding", self.rounding), ("weight-scale", self.weight_scale)):
+            if value is not None and self.scheme != Scheme.FP8:
+                raise ConfigError(f"--{name} applies to --scheme fp8 only, not {self.scheme.value}")
         if self.group_size is not None and self.group_size < 1:
             raise ConfigError(f"--group-size must be positive, got {self.group_size}")
         object.__setattr__(self, "calibrator", calibrator)
@@ -76,6 +87,9 @@ class QuantConfig:
             object.__setattr__(self, "percentile", 99.99)
         if awq and self.awq_method is None:
             object.__setattr__(self, "awq_method", AwqMethod.AWQ)
+        if self.scheme == Scheme.FP8:
+            object.__setattr__(self, "rounding", self.rounding or DEFAULT_FP8_ROUNDING)
+            object.__setattr__(self, "weight_scale", self.weight_scale or DEFAULT_FP8_WEIGHT_SCALE)
 
     def with_group_size(self, config: LlamaConfig) -> tuple["QuantConfig", str | None]:
         """AWQ without a group size: the largest of AWQ_GROUP_SIZES dividing every layer's input size, and a
@@ -97,10 +111,15 @@ class QuantConfig:
 
     @property
     def reads_text(self) -> bool:
-        """Whether quantizing runs the model on calibration text: the AWQ search, or the re-capture of static
-        ranges after SmoothQuant."""
-        return ((self.scheme == Scheme.AWQ and self.awq_method == AwqMethod.AWQ)
+        """Whether quantizing runs the model on calibration text: the AWQ search, fp8's GPTQ rounding or scale
+        search, or the re-capture of static ranges after SmoothQuant."""
+        return ((self.scheme == Scheme.AWQ and self.awq_method == AwqMethod.AWQ) or self.fp8_reads_inputs
                 or (self.smooth is not None and self.act == ActQuant.STATIC))
+
+    @property
+    def fp8_reads_inputs(self) -> bool:
+        """Whether fp8 weights are chosen from the calibration inputs (their Hessians)."""
+        return self.rounding == Fp8Rounding.GPTQ or self.weight_scale == Fp8WeightScale.SEARCH
 
     def describe(self) -> dict:
         d = {"scheme": self.scheme.value}
@@ -109,6 +128,8 @@ class QuantConfig:
                      calibrator=self.calibrator.value if self.act == ActQuant.STATIC else None)
             if self.act == ActQuant.STATIC and self.calibrator == CalibMethod.PERCENTILE:
                 d["percentile"] = self.percentile
+            if self.scheme == Scheme.FP8:
+                d.update(rounding=self.rounding.value, weight_scale=self.weight_scale.value)
         elif self.scheme == Scheme.AWQ:
             d.update(group_size=self.group_size, zero_point=True, method=self.awq_method.value)
         return d
@@ -119,6 +140,8 @@ StageProgress = Callable[[str, int, int], None]
 
 
 Recapture = Callable[[ModelWeights], dict[str, PointStats]]
+# (layer index, layer, capture point -> static amax) -> the layer's quantized linears by attribute
+LayerQuantizer = Callable[[int, LayerWeights, dict[str, float]], dict[str, object]]
 
 
 def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | None,
@@ -129,25 +152,58 @@ def quantize_int8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | N
         a = None if amax is None else amax_as_stored(amax)  # what a reader of the fp16 input_scale gets back
         return Int8Linear.from_dense(w, cfg.act, a, scale_dtype=torch.float16)
 
-    return _quantize_w8a8(weights, cfg, stats, recapture, progress, make, QuantGrid.INT8)
+    return _quantize_w8a8(weights, cfg, stats, recapture, progress, _per_linear(make), QuantGrid.INT8)
 
 
 def quantize_fp8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | None,
-                 recapture: Recapture | None = None, progress: StageProgress | None = None) -> ModelWeights:
-    """FP8 E4M3 W8A8: optional SmoothQuant, per-channel e4m3 weights (fp32 scales), per-token or static
-    activations whose ranges the calibrator judges on e4m3's grid; input_scale = amax / 448 in fp32."""
-    def make(w: torch.Tensor, amax: float | None) -> Fp8Linear:
-        a_scale = None if amax is None else float(scale_from_amax(torch.tensor(amax), QuantGrid.FP8))
-        return Fp8Linear.from_dense(w, cfg.act, a_scale)
+                 recapture: Recapture | None = None, progress: StageProgress | None = None,
+                 windows: torch.Tensor | None = None, capture: CaptureConfig = CaptureConfig()) -> ModelWeights:
+    """FP8 E4M3 W8A8: optional SmoothQuant, per-channel e4m3 weights (fp32 scales, amax / 448 or searched:
+    cfg.weight_scale) rounded to nearest or by GPTQ (cfg.rounding), both judged on the calibration `windows`
+    [n, L]; per-token or static activations whose ranges the calibrator judges on e4m3's grid; input_scale =
+    amax / 448 in fp32."""
+    def a_scale(amax: float | None) -> float | None:
+        return None if amax is None else float(scale_from_amax(torch.tensor(amax), QuantGrid.FP8))
 
-    return _quantize_w8a8(weights, cfg, stats, recapture, progress, make, QuantGrid.FP8)
+    if not cfg.fp8_reads_inputs:
+        make = _per_linear(lambda w, amax: Fp8Linear.from_dense(w, cfg.act, a_scale(amax)))
+        return _quantize_w8a8(weights, cfg, stats, recapture, progress, make, QuantGrid.FP8)
+    if windows is None:
+        raise ConfigError("fp8 GPTQ rounding and scale search need calibration windows")
+    inputs = LayerHessians(weights, windows, capture)
+
+    def fp8_layer(i: int, layer: LayerWeights, amax: dict[str, float]) -> dict[str, Fp8Linear]:
+        hessians = inputs.hessians(layer)  # this layer's inputs, the layers before it quantized
+        linears = {}
+        for attr, lin in layer.linears().items():
+            w, h = lin.dense_weight().float(), hessians[POINT_OF[attr]]  # [N, K], [K, K]
+            w8, w_scale = _fp8_weight(w, h, cfg, inputs.cfg)
+            linears[attr] = Fp8Linear(w8, w_scale, cfg.act, a_scale(amax.get(POINT_OF[attr])), dtype=w.dtype)
+        inputs.advance(replace(layer, **linears))
+        return linears
+
+    return _quantize_w8a8(weights, cfg, stats, recapture, progress, fp8_layer, QuantGrid.FP8)
+
+
+def _fp8_weight(w: torch.Tensor, h: torch.Tensor, cfg: QuantConfig, gptq: GptqConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [N, K], fp32 scale [N]) of W [N, K] by cfg's scale and rounding, H [K, K] its inputs'."""
+    scale = search_scale_fp8(w, h) if cfg.weight_scale == Fp8WeightScale.SEARCH else quantize_weight_fp8(w)[1]
+    if cfg.rounding == Fp8Rounding.GPTQ:
+        return gptq_fp8(w, h, gptq, scale)
+    return to_e4m3(w / scale[:, None]), scale  # [N, K]: the fp32 division of quantize_weight_fp8
+
+
+def _per_linear(make: Callable[[torch.Tensor, float | None], object]) -> LayerQuantizer:
+    """A LayerQuantizer building each linear alone, `make(W, amax of its input or None)`."""
+    return lambda i, layer, amax: {attr: make(lin.dense_weight().float(), amax.get(POINT_OF[attr]))
+                                   for attr, lin in layer.linears().items()}
 
 
 def _quantize_w8a8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | None, recapture: Recapture | None,
-                   progress: StageProgress | None, make: Callable[[torch.Tensor, float | None], object],
-                   grid: QuantGrid) -> ModelWeights:
+                   progress: StageProgress | None, quantize_layer: LayerQuantizer, grid: QuantGrid) -> ModelWeights:
     """W8A8: optional SmoothQuant from the stats' per-channel maxima, then per-channel weights and per-token
-    (dynamic) or per-tensor calibrated (static) activation ranges, `make(W, amax)` building each linear.
+    (dynamic) or per-tensor calibrated (static) activation ranges, `quantize_layer` building each layer's linears
+    (in layer order).
 
     With smoothing and static activations, the smoothed model's activations are captured again
     (`recapture`), since the stats describe the unsmoothed ones."""
@@ -175,9 +231,7 @@ def _quantize_w8a8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | 
                 p = points[f"layers.{i}.{kind}"]
                 amax[kind] = (p.amax if cfg.calibrator == CalibMethod.MAX
                               else compute_amax(cfg.calibrator, p.hist, p.edges, calib, grid))
-        linears = {attr: make(lin.dense_weight().float(), amax.get(POINT_OF[attr]))
-                   for attr, lin in layer.linears().items()}
-        out.append(replace(layer, **linears))
+        out.append(replace(layer, **quantize_layer(i, layer, amax)))
         if progress:
             progress("quantize", i, n)
     return replace(weights, layers=out, meta={**weights.meta, "scheme": cfg.scheme.value})

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from calibrate.outputs import OutputKind, prepare_output
-from fllama_cli.options import ForceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import ForceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt, kv_kind
 from model_zoo.errors import ConfigError
 
 SUMMARY = "GPU engine throughput, latency and memory against the bandwidth floor and torch.compile."
@@ -49,6 +49,7 @@ def bench_cmd(
     fold_norms: Annotated[bool, typer.Option("--fold-norms/--no-fold-norms", help="Small-batch decode (fp16 up to 8 rows, awq up to 4, int8 up to 16): RMSNorms deferred into the GEMVs around them instead of kernels of their own; --no-fold-norms to compare.")] = True,
     fuse_rope: Annotated[bool, typer.Option("--fuse-rope/--no-fuse-rope", help="Decode: RoPE and the new token's K/V cache write inside the attention kernel instead of a kernel of their own; --no-fuse-rope to compare.")] = True,
     kv_int8: Annotated[bool, typer.Option("--kv-int8", help="The engine's int8 KV cache (as generate / chat --kv-int8): half the cache bytes each decode step reads; the floor counts them. The baseline keeps fp16.")] = False,
+    kv_fp8: Annotated[bool, typer.Option("--kv-fp8", help="The engine's FP8 (E4M3) KV cache (as generate / chat --kv-fp8; compute capability 8.9+): the bytes of --kv-int8. The baseline keeps fp16.")] = False,
     lm_head_int8: Annotated[bool, typer.Option("--lm-head-int8", help="The int8 and awq engines' lm_head as int8 codes with a scale per vocabulary row (as generate / chat / eval --lm-head-int8): half its bytes each decode step; the floor counts them. fp16 (the unquantized model) and the baseline keep the fp16 head.")] = False,
     loop: Annotated[bool, typer.Option("--loop/--no-loop", help="Batch 1 also through the generation loop that generate and chat run (prefill, decode run ahead of the host, detokenized and stop-checked): the decode tok/s a user gets, and its ratio to the engine's.")] = True,
     random: RandomOpt = False,
@@ -65,6 +66,7 @@ def bench_cmd(
     from kernels_cu.bench import BenchConfig
     from kernels_cu.bench_suite import BenchRequest, run_bench
 
+    kv = kv_kind(kv_int8, kv_fp8)
     if markdown is not None:  # an unwritable path fails now, not after the benchmark
         for note in prepare_output(markdown, OutputKind.FILE, force):
             Console(stderr=True, highlight=False).print(f"[dim]{escape(note)}[/]")
@@ -76,7 +78,7 @@ def bench_cmd(
                        cfg=BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len,
                                        repeat=repeat, group_size=128 if group_size is None else group_size),
                        baseline=baseline == Baseline.torch, random=random, seed=seed or 0, pdl=pdl,
-                       fold_norms=fold_norms, fuse_rope=fuse_rope, kv_int8=kv_int8, lm_head_int8=lm_head_int8, loop=loop)
+                       fold_norms=fold_norms, fuse_rope=fuse_rope, kv=kv, lm_head_int8=lm_head_int8, loop=loop)
     err = Console(stderr=True, highlight=False)
     rows, meta = run_bench(req, lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
     if json_out:
@@ -111,7 +113,8 @@ def _cells(r: dict) -> list[str]:
 
 def _options(meta: dict) -> str:
     """The header's note of the engine options that change what a step reads."""
-    return (" · KV cache int8" if meta.get("kv_int8") else "") + (
+    kv = meta.get("kv_cache", "fp16")
+    return (f" · KV cache {kv}" if kv != "fp16" else "") + (
         " · lm_head int8 (int8, awq)" if meta.get("lm_head_int8") else "")
 
 

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from calibrate.calibration import DataConfig, range_report
+from calibrate.calibration import DataConfig, fit_seq_len, range_report
 from calibrate.methods import CalibConfig, CalibMethod, parse_methods
 from calibrate.stats import CalibStats
 from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
@@ -32,7 +32,7 @@ def calibrate_cmd(
     model: ModelArg = None,
     data: Annotated[Optional[str], typer.Option("--data", help="Text source \\[default: gutenberg:history]:\n" + SOURCES, show_default=False)] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", help="Windows of --seq-len tokens to run \\[default: 128].", show_default=False)] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window \\[default: 512].", show_default=False)] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window, at most the model's context \\[default: 512, or the model's context if smaller].", show_default=False)] = None,
     method: Annotated[str, typer.Option("--method", help="max | percentile | mse | entropy | all")] = "all",
     percentile: Annotated[Optional[float], typer.Option("--percentile", help="Percentile of |x| for the percentile method \\[default: 99.99].", show_default=False)] = None,
     bins: Annotated[Optional[int], typer.Option("--bins", help="Histogram bins (>= 128) \\[default: 2048].", show_default=False)] = None,
@@ -66,24 +66,24 @@ def calibrate_cmd(
                             start_bin=stats.calib_config.start_bin)
         _render(range_report(stats, calib), stats.meta, json_out)
         return
-    samples, seq_len = 128 if samples is None else samples, 512 if seq_len is None else seq_len
+    samples = 128 if samples is None else samples
     calib = CalibConfig(method=methods, percentile=percentile, bins=2048 if bins is None else bins)
     data_cfg = DataConfig(source=data or "gutenberg:history", samples=samples, seq_len=seq_len)
     if output is None:
         raise ConfigError("give the output file: -o stats.safetensors")
-
     from calibrate.pipeline import CalibrateJob, run_calibrate
+    from model_zoo.load import resolve_config
 
     job = CalibrateJob(model=model, output=output, data=data_cfg, calib=calib, batch=batch, device=device.value,
                        random=random, seed=seed or 0, force=force)
-    total = samples * seq_len
     with Progress(TextColumn("[bold]layer {task.fields[layer]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err,
                   disable=quiet or json_out or not err.is_terminal) as bar:
         started: dict = {}  # the bar and its clock start with the capture, after the model has loaded
 
         def progress(layer: int, n_layers: int, tokens: int) -> None:
-            if not started:
+            if not started:  # the model has loaded (and the output was checked): the window fits its context
+                total = samples * fit_seq_len(seq_len, resolve_config(model).max_positions)
                 started.update(t0=time.perf_counter(), task=bar.add_task("capture", total=n_layers * total,
                                                                         layer=f"0/{n_layers}", rate=""))
                 return
@@ -96,7 +96,7 @@ def calibrate_cmd(
         stats = run_calibrate(job, progress, note=lambda text: bar.console.print(f"[dim]{escape(text)}[/]"))
     dev = stats.meta["device"]
     if not json_out:
-        err.print(f"[dim]wrote {escape(str(output))} ({len(stats.points)} capture points, {samples}x{seq_len} tokens of {escape(data_cfg.source)}, "
+        err.print(f"[dim]wrote {escape(str(output))} ({len(stats.points)} capture points, {samples}x{stats.meta['seq_len']} tokens of {escape(data_cfg.source)}, "
                   f"{stats.meta['seconds']:.1f} s on {dev})[/]")
     _render(range_report(stats, calib), stats.meta, json_out)
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fllama_cli.options import CpuDtypeOpt, KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import CpuDtypeOpt, KvFp8Opt, KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, ModelArg, RandomOpt, SeedOpt, kv_kind
 from fllama_cli.prompts import as_text, read_stdin_line
 from fllama_cli.runtime import open_model
 from fllama_cli.sampling import RepetitionOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_config
@@ -38,6 +38,7 @@ def chat_cmd(
     seed: SeedOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    kv_fp8: KvFp8Opt = False,
     lm_head_int8: LmHeadInt8Opt = False,
     cpu_dtype: CpuDtypeOpt = None,
     random: RandomOpt = False,
@@ -46,8 +47,8 @@ def chat_cmd(
     conversation outgrows --context, its oldest turns are dropped (the system prompt stays)."""
     cfg = GenerationConfig(max_new_tokens=max_new_tokens,
                            sampling=sampling_config(temperature, top_k, top_p, repetition_penalty, seed))
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8,
-                        cpu_dtype=cpu_dtype)
+    opened = open_model(model, device=device, random=random, seed=seed, kv=kv_kind(kv_int8, kv_fp8),
+                        lm_head_int8=lm_head_int8, cpu_dtype=cpu_dtype)
     session = ChatSession(opened.backend, opened.tokenizer, cfg, system=system, max_len=context)
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)

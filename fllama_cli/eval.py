@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fllama_cli.options import CpuDtypeOpt, KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt
+from fllama_cli.options import CpuDtypeOpt, KvFp8Opt, KvInt8Opt, LmHeadInt8Opt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, kv_kind
 from fllama_cli.runtime import open_model
 from model_zoo.evaluation import EvalConfig, check_baseline, check_window_fits, evaluate
 from model_zoo.text_sources import SOURCES_HELP, load_text, token_windows
@@ -30,6 +30,7 @@ def eval_cmd(
     batch: Annotated[int, typer.Option("--batch", help="Windows per forward pass.")] = 1,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    kv_fp8: KvFp8Opt = False,
     lm_head_int8: LmHeadInt8Opt = False,
     cpu_dtype: CpuDtypeOpt = None,
     random: RandomOpt = False,
@@ -39,8 +40,8 @@ def eval_cmd(
 ) -> None:
     """Perplexity over non-overlapping windows of --seq-len tokens, each scoring its tokens 2..L."""
     EvalConfig(seq_len=2 if seq_len is None else seq_len, max_tokens=max_tokens, batch=batch)  # before the model loads
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8,
-                        cpu_dtype=cpu_dtype)
+    opened = open_model(model, device=device, random=random, seed=seed, kv=kv_kind(kv_int8, kv_fp8),
+                        lm_head_int8=lm_head_int8, cpu_dtype=cpu_dtype)
     seq_len = min(512, opened.config.max_positions) if seq_len is None else seq_len
     cfg = EvalConfig(seq_len=seq_len, max_tokens=max_tokens, batch=batch)
     check_window_fits(seq_len, opened.config)

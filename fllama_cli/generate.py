@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fllama_cli.options import CpuDtypeOpt, KvInt8Opt, LmHeadInt8Opt, MaxContextOpt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import CpuDtypeOpt, KvFp8Opt, KvInt8Opt, LmHeadInt8Opt, MaxContextOpt, DeviceChoice, DeviceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt, kv_kind
 from fllama_cli.prompts import read_prompt_arg
 from fllama_cli.runtime import open_model
 from fllama_cli.sampling import RepetitionOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_config
@@ -35,6 +35,7 @@ def generate_cmd(
     seed: SeedOpt = None,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    kv_fp8: KvFp8Opt = False,
     lm_head_int8: LmHeadInt8Opt = False,
     cpu_dtype: CpuDtypeOpt = None,
     max_context: MaxContextOpt = None,
@@ -47,8 +48,8 @@ def generate_cmd(
         raise PromptError("the prompt is empty: give -p TEXT or pipe text on stdin")
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, stop_strings=tuple(stop or ()),
                            sampling=sampling_config(temperature, top_k, top_p, repetition_penalty, seed))
-    opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8, lm_head_int8=lm_head_int8,
-                        max_context=max_context, cpu_dtype=cpu_dtype)
+    opened = open_model(model, device=device, random=random, seed=seed, kv=kv_kind(kv_int8, kv_fp8),
+                        lm_head_int8=lm_head_int8, max_context=max_context, cpu_dtype=cpu_dtype)
     tok = opened.tokenizer
     ids = [tok.encode(p) for p in prompts]
     check_prompts(ids, opened.config)  # before the prompt is echoed: an error is one line, not the prompt and a line

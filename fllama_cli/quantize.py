@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from calibrate.fp8_gptq import Fp8Rounding
+from calibrate.fp8_scale import Fp8WeightScale
 from calibrate.methods import CalibMethod
 from calibrate.quantize import AwqMethod, QuantConfig
 from fllama_cli.options import DeviceChoice, DeviceOpt, ForceOpt, JsonOpt, ModelArg, QuietOpt, RandomOpt, SeedOpt, WindowBatchOpt
@@ -22,6 +24,7 @@ EXAMPLES = ("fllama quantize --scheme awq -o smollm2-awq",
             "fllama quantize --scheme int8 --smooth 0.5 --stats stats.safetensors -o smollm2-int8",
             "fllama quantize --scheme int8 --act static --stats stats.safetensors -o smollm2-int8-static",
             "fllama quantize --scheme fp8 -o smollm2-fp8",
+            "fllama quantize --scheme fp8 --rounding nearest --weight-scale max -o smollm2-fp8-rtn",
             "fllama quantize --scheme fp8 --act static --smooth 0.5 --stats stats.safetensors -o smollm2-fp8-static")
 
 
@@ -36,9 +39,11 @@ def quantize_cmd(
     smooth: Annotated[Optional[float], typer.Option("--smooth", help="SmoothQuant alpha in [0, 1] (e.g. 0.5): move activation outliers into the weights.")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="awq: input channels per scale/zero group \\[default: the largest of 128, 64, 32 that divides every layer].", show_default=False)] = None,
     method: Annotated[Optional[AwqMethod], typer.Option("--method", help="awq: 'awq' searches scales and clips; 'rtn' is plain round-to-nearest \\[default: awq].", show_default=False)] = None,
-    data: Annotated[Optional[str], typer.Option("--data", help="Calibration text for the AWQ search or re-capture (default: the stats' source, else gutenberg:history).")] = None,
+    rounding: Annotated[Optional[Fp8Rounding], typer.Option("--rounding", help="fp8: how weights take e4m3 values. 'gptq' rounds column by column and pushes each rounding error onto the columns not yet rounded, weighted by the calibration text's inputs (--data), so layer outputs move less; 'nearest' rounds each weight alone \\[default: gptq].", show_default=False)] = None,
+    weight_scale: Annotated[Optional[Fp8WeightScale], typer.Option("--weight-scale", help="fp8: each output channel's scale. 'search' tries 20 scales around amax / 448 (sliding e4m3's grid over the row, or clipping its largest weights) and keeps the one whose rounding moves the outputs least on the calibration text; 'max' is amax / 448. With --rounding nearest --weight-scale max no text is read \\[default: search].", show_default=False)] = None,
+    data: Annotated[Optional[str], typer.Option("--data", help="Calibration text for the AWQ search, fp8's GPTQ rounding or re-capture (default: the stats' source, else gutenberg:history).")] = None,
     samples: Annotated[Optional[int], typer.Option("--samples", help="Windows of calibration text (default: the stats', else 128).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window (default: the stats', else 512).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per window (default: the stats', else 512 or the model's context if shorter).")] = None,
     batch: WindowBatchOpt = 8,
     device: DeviceOpt = DeviceChoice.auto,
     random: RandomOpt = False,
@@ -53,7 +58,8 @@ def quantize_cmd(
     from calibrate.pipeline import QuantizeJob, run_quantize
 
     cfg = QuantConfig(scheme=scheme, act=act, calibrator=calibrator, percentile=percentile, smooth=smooth,
-                      group_size=group_size, awq_method=method)
+                      group_size=group_size, awq_method=method, rounding=rounding,
+                      weight_scale=weight_scale)
     job = QuantizeJob(model=model, output=output, quant=cfg, stats=stats, data=data, samples=samples, seq_len=seq_len,
                       batch=batch, device=device.value, random=random, seed=seed or 0, force=force)
     err = Console(stderr=True, highlight=False)

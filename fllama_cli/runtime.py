@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fllama_cli.options import DeviceChoice
+from kernels_cu.kv_codes import KvKind
 from model_zoo.cpu_fast import CpuDtype
 from model_zoo.errors import ConfigError, DeviceError
 from model_zoo.quant.checkpoint import build_weights, int8_round_trip
@@ -33,6 +34,8 @@ class Opened:
     def describe(self) -> str:
         dtype = getattr(self.backend, "compute", "fp16 compute")  # CpuModel says which weights and products
         head = ", lm_head int8" if self.lm_head_int8 else ""
+        kv = getattr(getattr(self.backend, "cfg", None), "kv", KvKind.FP16)  # the engine's EngineConfig
+        head += "" if kv is KvKind.FP16 else f", KV cache {kv.value}"
         threads = getattr(self.backend, "threads", None)
         dtype += "" if threads is None else f", {threads} thread{'s' if threads > 1 else ''}"
         return f"{self.backend.name} on {self.device}, {self.backend.scheme} weights{head}, {dtype}, load {self.load_s:.1f} s"
@@ -65,15 +68,15 @@ def pick_device(choice: DeviceChoice) -> str:
 
 def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, random: bool = False,
                seed: int | None = None, dtype: torch.dtype | None = None,
-               kv_int8: bool = False, lm_head_int8: bool = False, max_context: int | None = None,
+               kv: KvKind = KvKind.FP16, lm_head_int8: bool = False, max_context: int | None = None,
                cpu_dtype: CpuDtype | None = None) -> Opened:
     """cpu_dtype: the CPU backend's weight dtype (None: CpuDtype.FP16, the default of model_zoo.cpu_fast)."""
     from model_zoo.load import load_model
 
     t0 = time.perf_counter()
     dev = pick_device(device)
-    if kv_int8 and dev != "cuda":
-        raise ConfigError("--kv-int8 is an option of the GPU engine (--device cuda)")
+    if kv is not KvKind.FP16 and dev != "cuda":
+        raise ConfigError(f"--kv-{kv.value} is an option of the GPU engine (--device cuda)")
     if cpu_dtype is not None and dev != "cpu":
         raise ConfigError("--cpu-dtype is an option of the CPU backend (--device cpu); the GPU engine computes in fp16")
     loaded = load_model(source, random=random, seed=seed or 0, dtype=torch.float32)
@@ -81,7 +84,7 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
     if dev == "cuda":
         from kernels_cu.engine import Engine, EngineConfig
 
-        cfg = EngineConfig(kv_int8=kv_int8, lm_head_int8=lm_head_int8, max_len=max_context or EngineConfig.max_len)
+        cfg = EngineConfig(kv=kv, lm_head_int8=lm_head_int8, max_len=max_context or EngineConfig.max_len)
         backend = Engine.from_loaded(loaded, cfg)
     else:
         from model_zoo.cpu_fast import CpuModel

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fllama_cli.errors import warn
-from fllama_cli.options import DeviceChoice, DeviceOpt, KvInt8Opt, LmHeadInt8Opt, ModelArg, RandomOpt, SeedOpt
+from fllama_cli.options import DeviceChoice, DeviceOpt, KvFp8Opt, KvInt8Opt, LmHeadInt8Opt, ModelArg, RandomOpt, SeedOpt, kv_kind
 from fllama_cli.runtime import open_model
 from model_zoo.errors import ConfigError
 from model_zoo.load import DEFAULT_MODEL
@@ -48,6 +48,7 @@ def serve_cmd(
                                                             "given].")] = None,
     device: DeviceOpt = DeviceChoice.auto,
     kv_int8: KvInt8Opt = False,
+    kv_fp8: KvFp8Opt = False,
     lm_head_int8: LmHeadInt8Opt = False,
     random: RandomOpt = False,
     scheme: Annotated[Optional[str], typer.Option("--scheme", show_default=False,
@@ -65,6 +66,7 @@ def serve_cmd(
     from model_zoo.scheduler import SchedulerConfig
 
     check_listen(host, port)  # before the model loads
+    kv = kv_kind(kv_int8, kv_fp8)
     if host not in LOOPBACK and not api_key:
         warn(f"listening on {host} without --api-key: anyone who reaches this port can use the model")
     if scheme is not None:
@@ -73,10 +75,10 @@ def serve_cmd(
                               "its own")
         from fllama_cli.server.random_engine import open_random_engine
 
-        opened = open_random_engine(model or DEFAULT_MODEL, scheme, seed=seed, kv_int8=kv_int8,
+        opened = open_random_engine(model or DEFAULT_MODEL, scheme, seed=seed, kv=kv,
                                     lm_head_int8=lm_head_int8, max_context=max_context)
     else:
-        opened = open_model(model, device=device, random=random, seed=seed, kv_int8=kv_int8,
+        opened = open_model(model, device=device, random=random, seed=seed, kv=kv,
                             lm_head_int8=lm_head_int8, max_context=max_context)
     context = max_context or min(DEFAULT_CONTEXT, opened.config.max_positions)
     name = served_name or model or DEFAULT_MODEL

@@ -1,15 +1,16 @@
 // Decode attention, flash-decoding style: one new query token per row against the KV cache.
-//   q [B, H, D] fp16 (rotated), k/v cache [B, Hkv, L, D] fp16 or int8 (+ fp32 scales [B, Hkv, L],
-//   value = code * scale), lengths int32 [B] on the device (valid positions incl. the new token).
+//   q [B, H, D] fp16 (rotated), k/v cache [B, Hkv, L, D] fp16, or int8 / e4m3 codes (+ fp32 scales
+//   [B, Hkv, L], value = code * scale; kv_codes.cuh), lengths int32 [B] on the device (valid positions incl.
+//   the new token).
 //   out[b, h] = softmax(q . K^T / sqrt(D)) V over positions [0, lengths[b]), fp32 softmax.
 //
-// attn_decode_d{64,128}[_kv8]: block (chunk, row b, kv head, group of up to 8 query heads of that kv
+// attn_decode_d{64,128}[_kv8|_kvf8]: block (chunk, row b, kv head, group of up to 8 query heads of that kv
 //   head), 4 warps; the chunk is CS positions (<= 512, multiple of 16). K and V are read once for all
 //   the query heads that share them, and both products run on tensor cores with the query heads as the
 //   mma's 8-wide N dimension:
 //   1. scores S[pos, head] = K Q^T: A = 16 positions x 16 dims of K (lane (g, t) loads rows g and g + 8,
 //      dims [t D/4, (t+1) D/4) in 16-byte pieces), B = the same dims of head g's query. Stored x log2(e)
-//      / sqrt(D) (x k_scale[pos] for int8: the per-position scale factors out of the dot product).
+//      / sqrt(D) (x k_scale[pos] for 8-bit codes: the per-position scale factors out of the dot product).
 //      Positions past the row's length get -inf.
 //   2. per head: m = max, P = exp2(S - m) rounded to fp16 (the mma operand), l = sum of those P.
 //   3. O^T[dim, head] = V^T P^T: A = V^T, built from lane (g, t)'s 16-byte loads of positions 4t..4t+3
@@ -34,32 +35,30 @@ constexpr int CS_MAX = 512;
 constexpr int SC_STRIDE = CS_MAX + 4;  // floats; +4 spreads the 8 heads a warp writes over all banks
 constexpr int P_STRIDE = CS_MAX + 8;   // halves; rows stay 16-byte aligned
 
-// Eight consecutive cache values as four fp16 pairs, zero when !ok (positions past the length may hold
-// anything, NaN included, and the P = 0 that meets them must not become NaN).
-template <bool KV8>
+// Eight consecutive cache values as four fp16 pairs (8-bit codes as their exact values), zero when !ok
+// (positions past the length may hold anything, NaN included, and the P = 0 that meets them must not become NaN).
+template <int KV>
 __device__ __forceinline__ uint4 load8(const void* cache, size_t elem, bool ok) {
-    if (KV8) {
+    if constexpr (KV != KV_F16) {
         const uint2 raw = ld_stream8(static_cast<const int8_t*>(cache) + elem, ok);
         uint4 v;
-        i8x4_to_h2x2(raw.x, v.x, v.y);
-        i8x4_to_h2x2(raw.y, v.z, v.w);
+        kv_codes4_to_h2x2<KV>(raw.x, v.x, v.y);
+        kv_codes4_to_h2x2<KV>(raw.y, v.z, v.w);
         return v;
     }
     return ld_stream(static_cast<const __half*>(cache) + elem, ok);
 }
 
-// int8 V: dequantize to fp16 once per element (value = code * scale, fp32 product, one rounding).
+// 8-bit V: dequantize to fp16 once per element (value = code * scale, fp32 product, one rounding).
+__device__ __forceinline__ uint32_t scale2(uint32_t h2, float s) {
+    const float2 f = __half22float2(bits_h2(h2));
+    return h2_bits(__floats2half2_rn(f.x * s, f.y * s));
+}
 __device__ __forceinline__ uint4 scale8(uint4 v, float s) {
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(bits_h2(w[i]));
-        w[i] = h2_bits(__floats2half2_rn(f.x * s, f.y * s));
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(scale2(v.x, s), scale2(v.y, s), scale2(v.z, s), scale2(v.w, s));
 }
 
-template <int D, bool KV8>
+template <int D, int KV>
 __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* __restrict__ part_ml,
                                             const __half* __restrict__ q, const void* __restrict__ k_cache,
                                             const void* __restrict__ v_cache, const float* __restrict__ k_scale,
@@ -67,6 +66,7 @@ __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* _
                                             int H, int Hkv, int L, int CS, int C, float scale_log2) {
     constexpr int QV = D / 32;  // 16-byte query / key pieces per lane (dims [t D/4, (t+1) D/4))
     constexpr int VC = D / 64;  // 8-dim V chunks per lane (dims 8(g + 8i) ..)
+    constexpr bool KV8 = KV != KV_F16;  // 8-bit codes with scales
     __shared__ float sc[SLOTS][SC_STRIDE];
     __shared__ __align__(16) __half ph[SLOTS][P_STRIDE];
     __shared__ float ml[SLOTS][2];
@@ -96,8 +96,8 @@ __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* _
         uint4 kl[QV], kh[QV];
 #pragma unroll
         for (int i = 0; i < QV; ++i) {
-            kl[i] = load8<KV8>(k_cache, (row0 + p0 + il) * D + t * (D / 4) + 8 * i, okl);
-            kh[i] = load8<KV8>(k_cache, (row0 + p0 + ih) * D + t * (D / 4) + 8 * i, okh);
+            kl[i] = load8<KV>(k_cache, (row0 + p0 + il) * D + t * (D / 4) + 8 * i, okl);
+            kh[i] = load8<KV>(k_cache, (row0 + p0 + ih) * D + t * (D / 4) + 8 * i, okh);
         }
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -159,7 +159,7 @@ __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* _
         for (int r = 0; r < 4; ++r) {
             const bool ok = p0 + pb + r < len;
 #pragma unroll
-            for (int i = 0; i < VC; ++i) v[r][i] = load8<KV8>(v_cache, (row0 + p0 + pb + r) * D + 8 * (g + 8 * i), ok);
+            for (int i = 0; i < VC; ++i) v[r][i] = load8<KV>(v_cache, (row0 + p0 + pb + r) * D + 8 * (g + 8 * i), ok);
             if (KV8) {
                 const float s = ok ? v_scale[row0 + p0 + pb + r] : 0.0f;
 #pragma unroll
@@ -207,23 +207,25 @@ __device__ __forceinline__ void attn_decode(float* __restrict__ part_o, float* _
 
 }  // namespace
 
-// (part_o f32 [B,H,C,D], part_ml f32 [B,H,C,2], q fp16 [B,H,D], k_cache, v_cache [B,Hkv,L,D] fp16 or int8,
+// (part_o f32 [B,H,C,D], part_ml f32 [B,H,C,2], q fp16 [B,H,D], k_cache, v_cache [B,Hkv,L,D] fp16 / int8 / e4m3,
 //  k_scale, v_scale f32 [B,Hkv,L] or null, lengths i32 [B], int H, int Hkv, int L, int CS, int C,
 //  float scale_log2 = log2(e) / sqrt(D))
-#define FLLAMA_ATTN_DECODE(NAME, D, KV8)                                                                   \
+#define FLLAMA_ATTN_DECODE(NAME, D, KV)                                                                    \
     extern "C" __global__ void __launch_bounds__(128)                                                      \
         NAME(float* part_o, float* part_ml, const __half* q, const void* k_cache, const void* v_cache,    \
              const float* k_scale, const float* v_scale, const int* lengths, int H, int Hkv, int L, int CS, \
              int C, float scale_log2) {                                                                    \
         pdl_enter_attention(NOT_EARLY);                                                                    \
-        attn_decode<D, KV8>(part_o, part_ml, q, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L,   \
+        attn_decode<D, KV>(part_o, part_ml, q, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L,   \
                             CS, C, scale_log2);                                                            \
     }
 
-FLLAMA_ATTN_DECODE(attn_decode_d64, 64, false)
-FLLAMA_ATTN_DECODE(attn_decode_d128, 128, false)
-FLLAMA_ATTN_DECODE(attn_decode_d64_kv8, 64, true)
-FLLAMA_ATTN_DECODE(attn_decode_d128_kv8, 128, true)
+FLLAMA_ATTN_DECODE(attn_decode_d64, 64, KV_F16)
+FLLAMA_ATTN_DECODE(attn_decode_d128, 128, KV_F16)
+FLLAMA_ATTN_DECODE(attn_decode_d64_kv8, 64, KV_I8)
+FLLAMA_ATTN_DECODE(attn_decode_d128_kv8, 128, KV_I8)
+FLLAMA_ATTN_DECODE(attn_decode_d64_kvf8, 64, KV_F8)
+FLLAMA_ATTN_DECODE(attn_decode_d128_kvf8, 128, KV_F8)
 
 // (out fp16 [B,H,D], part_o, part_ml, lengths, int H, int L, int CS, int C, int D)
 extern "C" __global__ void __launch_bounds__(128)
@@ -251,21 +253,22 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // ==== fused single-launch variant ====================================================================
-// attn_fused_d{64,128}[_kv8]: the same tensor-core tiles, reorganised for bandwidth and with the combine
+// attn_fused_d{64,128}[_kv8|_kvf8]: the same tensor-core tiles, reorganised for bandwidth and with the combine
 // (and optionally the per-token int8 quantization of the output) done by the last block to finish.
 //   grid (S splits, B * Hkv * HG units), block 128 (4 warps). A unit is (row b, kv head, group of <= 8
 //   query heads). Its row's tiles of 16 positions are split evenly over the first n <= S blocks at run
 //   time, from lengths[b] read on the device (tps = ceil(tiles / S) tiles per block, or span_tiles when
 //   the launcher fixes the chunk), so one launch shape serves every step and no block idles while
 //   another streams the whole context.
-//   1. cp.async streams the block's K and V (and int8 scales) into shared memory in stages of 64
+//   1. cp.async streams the block's K and V (and 8-bit scales) into shared memory in stages of 64
 //      positions, double buffered: every thread has a whole stage of 16-byte copies in flight while the
 //      warps work on the previous one. Copies past the block's end are zero-filled (the cache may hold
 //      NaN there).
-//   2. warp w takes tile w of each stage: S = K Q^T with A from ldmatrix (fp16) or converted int8 rows,
+//   2. warp w takes tile w of each stage: S = K Q^T with A from ldmatrix (fp16) or converted 8-bit rows,
 //      online softmax per head (running max m, lane-partial sum l, accumulators rescaled by 2^(m_old -
 //      m_new)), P rounded to fp16 through a warp-private transpose buffer, O^T += V^T P^T with A from
-//      ldmatrix.trans (fp16) or the prmt transpose of converted int8 rows.
+//      ldmatrix.trans (fp16) or the prmt transpose of converted 8-bit rows (int8 and e4m3 differ only in the
+//      conversion, kv_codes.cuh).
 //   3. the 4 warps' (m, l, O) merge in shared memory. A unit with one active block writes out = O / l.
 //      Otherwise the block writes (O, m, l) to the workspace, fences, and bumps the unit's counter; the
 //      block that brings it to n resets it to 0 (so a CUDA graph needs no memset node) and combines the
@@ -297,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(128)
 //   trigger 4) they stream under the q|k|v GEMV's tail. Every block rotates the query heads it needs itself,
 //   once its stage-0 copies are issued (the loads' latency then overlaps the stream). The unit's last
 //   active block (its range ends at the row's length, so its last stage holds p) rotates k, quantizes k
-//   and v for an int8 cache, and stores them at p. When p's stage is stage 0 (the only one: short contexts,
+//   and v for an 8-bit cache, and stores them at p. When p's stage is stage 0 (the only one: short contexts,
 //   the common decode case) p gets no copy and the same bytes go straight into the stage's row, so this
 //   block, which every cluster waits for, issues its copies without first waiting for the store (else it
 //   trails the others); with more stages the store happens while stage 0 streams and the loop's barriers
@@ -508,31 +511,31 @@ __device__ __forceinline__ void load_new_kv(const __half* k_src, const __half* v
         hi = load_half8(src + D / 2 + 8 * g);
     }
 }
-template <int D, bool KV8>
+template <int D, int KV>
 __device__ __forceinline__ void store_new_kv(Half8 lo, Half8 hi, const float* cs_row, void* k_cache, void* v_cache,
                                              float* k_scale, float* v_scale, size_t slot,
                                              unsigned char* stage = nullptr, int srow = 0) {
-    using Gm = Geom<D, KV8>;
+    using Gm = Geom<D, KV != KV_F16>;
     unsigned char* sk = stage;
     unsigned char* sv = stage + Gm::KV_BYTES;
     constexpr int G = D / 16;
     const int lane = threadIdx.x & 31, g = lane % G;
     const bool active = lane < 2 * G, is_v = lane >= G;
     if (active && !is_v) rotate8(lo, hi, cs_row, g, D / 2);
-    if (!KV8) {
+    if constexpr (KV == KV_F16) {
         if (active) store_head_f16(k_cache, v_cache, is_v, slot, D, D / 2, lo, hi, g);
         if (active && stage != nullptr) store_head_f16(sk, sv, is_v, srow, Gm::ROW / 2, D / 2, lo, hi, g);
     } else {
         const float m = head_absmax(lo, hi, active, G);
-        if (active) store_head_i8(k_cache, v_cache, k_scale, v_scale, is_v, slot, D, D / 2, lo, hi, m, g);
+        if (active) store_head_q8<KV>(k_cache, v_cache, k_scale, v_scale, is_v, slot, D, D / 2, lo, hi, m, g);
         if (active && stage != nullptr) {
             float* scales = reinterpret_cast<float*>(stage + 2 * Gm::KV_BYTES);  // [k: STAGE | v: STAGE]
-            store_head_i8(sk, sv, scales, scales + STAGE, is_v, srow, Gm::ROW, D / 2, lo, hi, m, g);
+            store_head_q8<KV>(sk, sv, scales, scales + STAGE, is_v, srow, Gm::ROW, D / 2, lo, hi, m, g);
         }
     }
 }
 
-template <int D, bool KV8, bool CL>
+template <int D, int KV, bool CL>
 __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __restrict__ q_out,
                                            float* __restrict__ a_scale, const float* __restrict__ static_amax,
                                            float* __restrict__ amax_part,
@@ -543,6 +546,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
                                            float* __restrict__ k_scale, float* __restrict__ v_scale,
                                            const int* __restrict__ lengths, int H, int Hkv, int L, int S,
                                            int span_tiles, int max_pos, float scale_log2) {
+    constexpr bool KV8 = KV != KV_F16;  // 8-bit codes with scales: one layout for int8 and e4m3
     using G = Geom<D, KV8>;
     constexpr int MT = D / 16;  // 16-dim tiles of the output, 16-dim k steps of the scores
     extern __shared__ __align__(16) unsigned char smem[];
@@ -638,7 +642,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             load_new_kv<D>(k_src, k_src + (size_t)Hkv * D, kv_lo, kv_hi);
         }
         auto store_kv = [&] {  // warp 0
-            store_new_kv<D, KV8>(kv_lo, kv_hi, cs_row, k_cache, v_cache, k_scale, v_scale, row0 + p_new,
+            store_new_kv<D, KV>(kv_lo, kv_hi, cs_row, k_cache, v_cache, k_scale, v_scale, row0 + p_new,
                                  skip >= 0 ? smem : nullptr, p_new - lo);
         };
 
@@ -678,14 +682,14 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
                 for (int j = 0; j < D / 64; ++j) {
                     const uint4 rl = *reinterpret_cast<const uint4*>(kt + g * G::ROW + t * (D / 4) + 16 * j);
                     const uint4 rh = *reinterpret_cast<const uint4*>(kt + (g + 8) * G::ROW + t * (D / 4) + 16 * j);
-                    i8x4_to_h2x2(rl.x, kl[8 * j + 0], kl[8 * j + 1]);
-                    i8x4_to_h2x2(rl.y, kl[8 * j + 2], kl[8 * j + 3]);
-                    i8x4_to_h2x2(rl.z, kl[8 * j + 4], kl[8 * j + 5]);
-                    i8x4_to_h2x2(rl.w, kl[8 * j + 6], kl[8 * j + 7]);
-                    i8x4_to_h2x2(rh.x, kh[8 * j + 0], kh[8 * j + 1]);
-                    i8x4_to_h2x2(rh.y, kh[8 * j + 2], kh[8 * j + 3]);
-                    i8x4_to_h2x2(rh.z, kh[8 * j + 4], kh[8 * j + 5]);
-                    i8x4_to_h2x2(rh.w, kh[8 * j + 6], kh[8 * j + 7]);
+                    kv_codes4_to_h2x2<KV>(rl.x, kl[8 * j + 0], kl[8 * j + 1]);
+                    kv_codes4_to_h2x2<KV>(rl.y, kl[8 * j + 2], kl[8 * j + 3]);
+                    kv_codes4_to_h2x2<KV>(rl.z, kl[8 * j + 4], kl[8 * j + 5]);
+                    kv_codes4_to_h2x2<KV>(rl.w, kl[8 * j + 6], kl[8 * j + 7]);
+                    kv_codes4_to_h2x2<KV>(rh.x, kh[8 * j + 0], kh[8 * j + 1]);
+                    kv_codes4_to_h2x2<KV>(rh.y, kh[8 * j + 2], kh[8 * j + 3]);
+                    kv_codes4_to_h2x2<KV>(rh.z, kh[8 * j + 4], kh[8 * j + 5]);
+                    kv_codes4_to_h2x2<KV>(rh.w, kh[8 * j + 6], kh[8 * j + 7]);
                 }
 #pragma unroll
                 for (int st = 0; st < MT; ++st)
@@ -740,7 +744,30 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             const uint2 pp = *reinterpret_cast<const uint2*>(ph + g * PH_STRIDE + 4 * t);  // head g
 
             // O^T += V^T P^T: rows = dims, columns = head slots
-            if (KV8) {
+            if constexpr (KV == KV_F8) {
+                // e4m3: two codes a conversion (cvt takes 16 bits), so each mma's A words are made from the raw
+                // bytes just before it: 8 registers of codes live instead of 16 of fp16 values
+                const float* vsc = ksc + STAGE;
+#pragma unroll
+                for (int i = 0; i < D / 64; ++i) {
+                    uint2 raw[4];
+                    float s[4];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        raw[r] = *reinterpret_cast<const uint2*>(vt + (4 * t + r) * G::ROW + 8 * (g + 8 * i));
+                        s[r] = vsc[4 * t + r];
+                    }
+#pragma unroll
+                    for (int jp = 0; jp < 4; ++jp) {
+                        uint32_t w[4];  // dims 8(g + 8i) + 2jp, +1 of positions 4t + r, as scale8 makes them
+#pragma unroll
+                        for (int r = 0; r < 4; ++r)
+                            w[r] = scale2(kv_e4m3x2_to_h2((jp < 2 ? raw[r].x : raw[r].y) >> (16 * (jp & 1))), s[r]);
+                        mma_f16_16816(o[4 * i + jp], pair_lo(w[0], w[1]), pair_hi(w[0], w[1]), pair_lo(w[2], w[3]),
+                                      pair_hi(w[2], w[3]), pp.x, pp.y);
+                    }
+                }
+            } else if (KV8) {
                 const float* vsc = ksc + STAGE;
 #pragma unroll
                 for (int i = 0; i < D / 64; ++i) {
@@ -748,8 +775,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const uint2 raw = *reinterpret_cast<const uint2*>(vt + (4 * t + r) * G::ROW + 8 * (g + 8 * i));
-                        i8x4_to_h2x2(raw.x, v[r].x, v[r].y);
-                        i8x4_to_h2x2(raw.y, v[r].z, v[r].w);
+                        kv_codes4_to_h2x2<KV>(raw.x, v[r].x, v[r].y);
+                        kv_codes4_to_h2x2<KV>(raw.y, v[r].z, v[r].w);
                         v[r] = scale8(v[r], vsc[4 * t + r]);
                     }
 #pragma unroll
@@ -982,14 +1009,14 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 //  amax_part f32 [B, Hkv * HG] or null (q_out null: each unit's max |out|),
 //  part_o f32 [B,H,S,D], part_ml f32 [B,H,S,2], counters i32 [units + B] (zero), q fp16 [B,H,D] or null,
 //  qkv fp16 [B,(H+2Hkv)*D] or null (RoPE mode), cos_sin f32 [max_pos,D] or null,
-//  k_cache, v_cache [B,Hkv,L,D] fp16 or int8, k_scale, v_scale f32 [B,Hkv,L] or null, lengths i32 [B],
+//  k_cache, v_cache [B,Hkv,L,D] fp16 / int8 / e4m3, k_scale, v_scale f32 [B,Hkv,L] or null, lengths i32 [B],
 //  int H, int Hkv, int L, int S, int span_tiles (0: split the length evenly over S), int max_pos,
 //  float scale_log2)
 // grid (S, B * Hkv * ceil(H / Hkv / 8)), block 128, dynamic shared memory Geom<D, KV8>::SMEM.
 // MINB: resident blocks per SM the launcher counts on (d128 fp16: shared memory allows 3; others 4).
-#define FLLAMA_ATTN_FUSED(NAME, D, KV8, MINB) FLLAMA_ATTN_FUSED_CL(NAME, D, KV8, MINB, false) \
-    FLLAMA_ATTN_FUSED_CL(NAME##_cl, D, KV8, MINB, true)
-#define FLLAMA_ATTN_FUSED_CL(NAME, D, KV8, MINB, CL)                                                        \
+#define FLLAMA_ATTN_FUSED(NAME, D, KV, MINB) FLLAMA_ATTN_FUSED_CL(NAME, D, KV, MINB, false) \
+    FLLAMA_ATTN_FUSED_CL(NAME##_cl, D, KV, MINB, true)
+#define FLLAMA_ATTN_FUSED_CL(NAME, D, KV, MINB, CL)                                                         \
     extern "C" __global__ void __launch_bounds__(fused::THREADS, MINB)                                      \
         NAME(__half* out, int8_t* q_out, float* a_scale, const float* static_amax, float* amax_part,       \
              float* part_o,                                                                                 \
@@ -997,13 +1024,15 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
              void* k_cache, void* v_cache, float* k_scale, float* v_scale, const int* lengths, int H, int Hkv, \
              int L, int S, int span_tiles, int max_pos, float scale_log2) {                                \
         attn_stamp(0);                                                                                     \
-        fused::attn_fused<D, KV8, CL>(out, q_out, a_scale, static_amax, amax_part, part_o, part_ml, counters, q, \
+        fused::attn_fused<D, KV, CL>(out, q_out, a_scale, static_amax, amax_part, part_o, part_ml, counters, q, \
                                   qkv,                                                                     \
                                   cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S,      \
                                   span_tiles, max_pos, scale_log2);                                        \
     }
 
-FLLAMA_ATTN_FUSED(attn_fused_d64, 64, false, 4)
-FLLAMA_ATTN_FUSED(attn_fused_d128, 128, false, 3)
-FLLAMA_ATTN_FUSED(attn_fused_d64_kv8, 64, true, 4)
-FLLAMA_ATTN_FUSED(attn_fused_d128_kv8, 128, true, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d64, 64, KV_F16, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d128, 128, KV_F16, 3)
+FLLAMA_ATTN_FUSED(attn_fused_d64_kv8, 64, KV_I8, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d128_kv8, 128, KV_I8, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d64_kvf8, 64, KV_F8, 4)
+FLLAMA_ATTN_FUSED(attn_fused_d128_kvf8, 128, KV_F8, 4)

@@ -1,8 +1,9 @@
 """Decode attention over the KV cache (attention_decode.cu), flash-decoding style, and its torch reference.
 
-    q [B, H, D] fp16 (rotated), k_cache / v_cache [B, Hkv, L, D] fp16 -- or int8 with k_scale / v_scale
-    fp32 [B, Hkv, L] (value = code * scale) -- lengths int32 [B] on the device (valid positions, the new
-    token included). out[b, h] = softmax(q . K^T / sqrt(D)) V over positions [0, lengths[b]).
+    q [B, H, D] fp16 (rotated), k_cache / v_cache [B, Hkv, L, D] fp16 -- or int8 / float8_e4m3fn codes with
+    k_scale / v_scale fp32 [B, Hkv, L] (value = code * scale; kv_codes.py) -- lengths int32 [B] on the device
+    (valid positions, the new token included). out[b, h] = softmax(q . K^T / sqrt(D)) V over positions
+    [0, lengths[b]).
 
 Two launch paths (D is 64 or 128):
 - fused (default): one kernel. Each (row, kv head, head group) unit's context is split evenly at run time
@@ -10,8 +11,8 @@ Two launch paths (D is 64 or 128):
   the last block of a unit to finish combines the partials, found with a per-unit counter that the
   kernel puts back to zero itself. `attention_decode_quant` also quantizes the output per token to int8
   (the quantize.py rule over each row's H * D values) in the same launch.
-  Where a unit has 2-16 blocks (small batches: LLaMA-2-7B at batch 1 has 12) and the GPU has thread-block
-  clusters (sm_90), each unit's blocks run as one cluster and combine through distributed shared memory
+  Where a unit has 2 or more blocks (small batches: LLaMA-2-7B at batch 1 has 12; with GQA a wave's worth is
+  capped at 16) and the GPU has thread-block clusters (sm_90), each unit's blocks run as one cluster and combine through distributed shared memory
   instead (the `_cl` entries: no workspace, fence or counter; the same bits).
 - fused=False: the two-kernel flash-decoding path (chunks of up to 512 positions, then a combine).
 
@@ -35,6 +36,7 @@ import torch
 from kernels_cu import build, counters, tuning
 from kernels_cu.checks import check_static_amax, check_tensor, out_or_new
 from kernels_cu.gemm_shapes import ATTN_CHUNKS, attn_chunk, cdiv, sm_count, smem_per_sm
+from kernels_cu.kv_codes import SUFFIX, KvKind, require_kind
 
 HEAD_DIMS = (64, 128)
 SLOTS = 8  # query heads per block
@@ -92,8 +94,8 @@ def fused_launch(L: int, B: int, Hkv: int, groups: int, D: int, kv8: bool, sms: 
     `splits` forces S (tuning).
 
     max_clusters(S) -> how many clusters of S blocks the GPU holds at once (None: no clusters). A launch of
-    2-CLUSTER_MAX splits becomes one cluster per unit, with S lowered to the largest that keeps every cluster
-    in one wave (a cluster that does not fit waits for a whole one to finish: 8.6 -> 11.9 us for LLaMA-2-7B
+    more than one split becomes one cluster per unit, with S lowered to at most CLUSTER_MAX and to the largest
+    that keeps every cluster in one wave (a cluster that does not fit waits for a whole one to finish: 8.6 -> 11.9 us for LLaMA-2-7B
     batch 1 at S = 12, where 30 of its 32 clusters fit; at S = 10, 7.8 us, H200). A fixed chunk or forced
     `splits` keeps its S (and a cluster only where that S fits).
     """
@@ -110,10 +112,13 @@ def fused_launch(L: int, B: int, Hkv: int, groups: int, D: int, kv8: bool, sms: 
     elif splits is None:
         wave = fused_blocks_per_sm(D, kv8, smem_per_sm) * sms
         splits = max(1, min(wave // max(units, 1), MAX_SPLITS, cdiv(max(L, 1), 16)))
-    cluster = False
-    if max_clusters is not None and 1 < splits <= CLUSTER_MAX:
-        fixed = span > 0 or forced
-        fit = next((s for s in ([splits] if fixed else range(splits, 1, -1)) if max_clusters(s) >= units), None)
+    cluster, fixed = False, span > 0 or forced
+    # A wave's worth of splits above CLUSTER_MAX (few units: GQA at small batch) still becomes clusters of at most
+    # CLUSTER_MAX: combining in shared memory beats the workspace at any length (H200, batch 1, 8 units: 576
+    # positions 7.9 us against 17.7 on 49 splits, 8,192 positions 20.2 against 29.8; 4 units at 4,096: 10.9 / 40.3).
+    if max_clusters is not None and 1 < splits and (splits <= CLUSTER_MAX or not fixed):
+        tries = [splits] if fixed else range(min(splits, CLUSTER_MAX), 1, -1)
+        fit = next((s for s in tries if max_clusters(s) >= units), None)
         if fit is not None:
             splits, cluster = fit, True
     return FusedLaunch(splits, span, units, smem, cluster=cluster)
@@ -133,7 +138,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if cs % 16 or not 16 <= cs <= ATTN_CHUNKS[0]:
         raise ValueError(f"chunk must be a multiple of 16 in [16, {ATTN_CHUNKS[0]}], got {cs}")
     C = cdiv(L, cs)
-    kv8 = "_kv8" if k_cache.dtype == torch.int8 else ""
+    kv8 = SUFFIX[KvKind.of(k_cache)]
     with build.on_stream():
         out = out_or_new(out, (B, H, D), torch.float16, q, "out", align=2)
         if B == 0:
@@ -156,7 +161,7 @@ def attention_decode_rope(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: tor
 
     qkv fp16 [B, (n_heads + 2 Hkv) D]: row b's new token, at position lengths[b] - 1 of cache row b.
     Equals rope_kv(qkv, cos_sin, pos=lengths - 1, row=arange(B), ...) then attention_decode on its q, bit
-    for bit, caches included (k_cache / v_cache, and k_scale / v_scale for int8, are written in place).
+    for bit, caches included (k_cache / v_cache, and k_scale / v_scale for 8-bit codes, are written in place).
     """
     out, _, _, _ = _launch_fused(qkv, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, quant=False,
                                  cos_sin=cos_sin, n_heads=n_heads)
@@ -221,12 +226,13 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
         B, H, D, Hkv, L = _check_rope(q, cos_sin, n_heads, k_cache, v_cache, lengths, k_scale, v_scale)
     else:
         B, H, D, Hkv, L = _check(q, k_cache, v_cache, lengths, k_scale, v_scale)
-    kv8 = k_cache.dtype == torch.int8
+    kind = KvKind.of(k_cache)
+    kv8 = kind.scaled  # the 8-bit kinds share the kernel's layout
     check_static_amax(static_amax)
     groups = cdiv(H // Hkv, SLOTS)
     if B * Hkv * groups > 65535:
         raise ValueError(f"batch {B} x {Hkv} kv heads x {groups} head groups exceeds the grid's 65535 units")
-    name, units = f"attn_fused_d{D}{'_kv8' if kv8 else ''}", B * Hkv * groups
+    name, units = f"attn_fused_d{D}{SUFFIX[kind]}", B * Hkv * groups
     max_clusters = None
     if tuning.current().attention_clusters and units > 0 and build.has_clusters(q.device.index or 0):
         fn_cl = build.get_function("attention_decode.cu", name + "_cl", SIGNATURE)
@@ -275,7 +281,7 @@ def attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def dequantize_cache(codes: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """fp16 cache -> float32 as is; int8 codes [..., n, D] with scale [..., n] -> codes * scale in float32."""
+    """fp16 cache -> float32 as is; int8 / e4m3 codes [..., n, D] with scale [..., n] -> codes * scale in float32."""
     if scale is None:
         return codes.float()
     return codes.float() * scale.float().unsqueeze(-1)
@@ -312,12 +318,13 @@ def _check_cache(k_cache, v_cache, lengths, k_scale, v_scale) -> None:
     B, Hkv, L, D = k_cache.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim {D} is not supported by the decode kernel (supported: {HEAD_DIMS})")
-    dtype = (torch.float16, torch.int8)
-    check_tensor(k_cache, "k_cache", dtype, (B, Hkv, L, D))
+    kind = KvKind.of(k_cache)
+    check_tensor(k_cache, "k_cache", kind.dtype, (B, Hkv, L, D))
     check_tensor(v_cache, "v_cache", k_cache.dtype, (B, Hkv, L, D))
     check_tensor(lengths, "lengths", torch.int32, (B,), align=4)
-    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
-        raise ValueError("an int8 cache needs k_scale and v_scale; an fp16 cache takes none")
+    if kind.scaled != (k_scale is not None and v_scale is not None):
+        raise ValueError("an int8 or fp8 cache needs k_scale and v_scale; an fp16 cache takes none")
+    require_kind(kind, k_cache.device.index or 0)
     if k_scale is not None:
         check_tensor(k_scale, "k_scale", torch.float32, (B, Hkv, L), align=4)
         check_tensor(v_scale, "v_scale", torch.float32, (B, Hkv, L), align=4)

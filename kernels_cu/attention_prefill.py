@@ -21,7 +21,8 @@ from kernels_cu.attention_decode import dequantize_cache
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row: int, start: int,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """q fp16 [S, H, D] -> out fp16 [S, H, D]; int8 caches (with scales) are dequantized to fp16 first."""
+    """q fp16 [S, H, D] -> out fp16 [S, H, D]; 8-bit caches (int8 or e4m3 codes with scales) are dequantized to
+    fp16 first (code * scale in fp32, one rounding: the values the decode kernels' V products use)."""
     S, H, D = _check(q, k_cache, row, start)
     T = start + S
     # On the GPU torch runs on fllama's stream (graph capture, ordering with the kernels); the CPU path

@@ -29,7 +29,8 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
                out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
                fold_out: FoldOut | None = None) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to awq_gemv_max_m rows (the batch GEMM from
-    awq_batch_min_m where N % 64 == 0, its wgmma form from awq_wgmma_decode_min_m on Hopper with groups of 128), else
+    awq_batch_min_m where N % 64 == 0 and the work is large enough, its wgmma form from awq_wgmma_decode_min_m on
+    Hopper with groups of 128 for wide outputs or more work: tuning.py), else
     the fused GEMM (awq_wgmma.py) where it runs, or w_hat + cuBLAS.
     fold_in / fold_out: the deferred RMSNorm (norm_fold.py), on the GEMV path only (`folds`)."""
     M = _check(x, p, residual)
@@ -39,9 +40,11 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
             raise ValueError(f"the deferred RMSNorm runs on the AWQ GEMV only (M < {t.awq_batch_min_m}; with groups of "
                              f"32 k, M <= 8), got M = {M}, groups of {p.gs}")
         return _gemv(x, p, residual, out, fold_in, fold_out)
-    if t.awq_wgmma_decode_min_m <= M <= t.awq_gemv_max_m and awq_wgmma_decode.takes(x, p):
+    work = M * p.k * p.n
+    wide = p.n >= t.awq_wgmma_decode_min_n or work >= t.awq_wgmma_decode_min_work
+    if t.awq_wgmma_decode_min_m <= M <= t.awq_gemv_max_m and wide and awq_wgmma_decode.takes(x, p):
         return awq_wgmma_decode.launch(x, p, residual, out)
-    if t.awq_batch_min_m <= M <= t.awq_gemv_max_m and awq_batch.takes(p.n):
+    if t.awq_batch_min_m <= M <= t.awq_gemv_max_m and work >= t.awq_batch_min_work and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)
     if M <= t.awq_gemv_max_m:
         return _gemv(x, p, residual, out)

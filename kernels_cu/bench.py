@@ -95,7 +95,7 @@ def random_weights(config: LlamaConfig, scheme: str, device: torch.device, seed:
 
 def decode_bytes(engine, batch: int, context: int) -> tuple[int, int]:
     """(weight bytes, KV bytes) one decode step reads at an average context of `context` positions."""
-    kv = batch * context * engine.kv_position_bytes()  # int8 codes and scales with kv_int8
+    kv = batch * context * engine.kv_position_bytes()  # 8-bit codes and their scales with --kv-int8 / --kv-fp8
     return engine.step_weight_bytes(batch), kv  # the lm_head as it runs (fp16 or int8), B embedding rows
 
 

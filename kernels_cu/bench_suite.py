@@ -17,6 +17,7 @@ from kernels_cu.bench import SCHEMES, BenchConfig, bench_baseline, bench_engine,
 from kernels_cu.bench_loop import bench_generate
 from kernels_cu.build import device_info, pdl_supported, require_cuda
 from kernels_cu.engine import Engine, EngineConfig
+from kernels_cu.kv_codes import KvKind
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError, DeviceError
 from model_zoo.load import load_model, load_tokenizer
@@ -35,7 +36,7 @@ class BenchRequest:
     pdl: bool | None = None  # programmatic dependent launch: None leaves FLLAMA_PDL as it is
     fold_norms: bool = True
     fuse_rope: bool = True
-    kv_int8: bool = False
+    kv: KvKind = KvKind.FP16  # the engines' KV cache (the baseline keeps fp16)
     lm_head_int8: bool = False  # int8 and awq engines only: fp16 is the unquantized model
     loop: bool = True  # batch 1 also through the generation loop (what `fllama generate` gets)
 
@@ -46,7 +47,7 @@ class BenchRequest:
 
     def engine_config(self, scheme: str) -> EngineConfig:
         return EngineConfig(max_len=self.cfg.prompt_len + self.cfg.gen_len + 1, fold_norms=self.fold_norms,
-                            fuse_rope=self.fuse_rope, kv_int8=self.kv_int8,
+                            fuse_rope=self.fuse_rope, kv=self.kv,
                             lm_head_int8=self.lm_head_int8 and scheme != "fp16")
 
 
@@ -100,7 +101,8 @@ def run_bench(req: BenchRequest, progress: Callable[[str], None] = lambda _: Non
             "model": req.source or "llama2-7b", "random": req.random, "copy_bandwidth_tb_s": bw / 1e12,
             "prompt_len": req.cfg.prompt_len, "gen_len": req.cfg.gen_len, "repeat": req.cfg.repeat,
             "baseline": base_rows, "programmatic_launch": pdl_supported(), "fold_norms": req.fold_norms,
-            "fuse_rope": req.fuse_rope, "kv_int8": req.kv_int8, "lm_head_int8": req.lm_head_int8, "loop": req.loop}
+            "fuse_rope": req.fuse_rope, "kv_cache": KvKind(req.kv).value, "lm_head_int8": req.lm_head_int8,
+            "loop": req.loop}
     return rows, meta
 
 

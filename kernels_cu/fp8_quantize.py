@@ -14,12 +14,16 @@ import torch
 
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.gemm_shapes import cdiv
+from kernels_cu.quantize import check_fold_inputs
 from model_zoo.errors import DeviceError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-8
 SIGNATURE = "PPPPi"  # x8, a_scale, static_scale, x, K
+FOLD_SIGNATURE = "PPPPPPifi"  # fp8_quantize_fold: x8, a_scale, mx, sq, static_scale, x, K, eps, C
+FOLD_VALUES = 1024  # values of a row one fp8_quantize_fold block quantizes
 MIN_CAPABILITY = (8, 9)  # cvt e4m3x2 <-> f16x2 / f32 (Ada, Hopper and newer)
 
 
@@ -81,4 +85,24 @@ def fp8_quantize(x: torch.Tensor, static_scale: torch.Tensor | None = None, x8: 
         mode = "dyn" if static_scale is None else "static"
         fn = build.get_function("fp8_quantize.cu", f"fp8_quantize_{mode}_nv{nv}", SIGNATURE)
         fn((T,), (threads,), x8, a_scale, static_scale, x, K)
+    return x8, a_scale
+
+
+def fp8_quantize_fold(x: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None = None, eps: float = 0.0,
+                      static_scale: torch.Tensor | None = None, values: bool = False) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+    """A deferred input's codes (fp8_quantize.cu's fp8_quantize_fold; the row spread over blocks): x fp16 [T, K] with
+    C partial maxima mx fp32 [T, C] of each row -> fp8_quantize(x)'s bits; with sq fp32 [T, C] (sums of h^2) x is an
+    RMSNorm's xg = h * w deferred into its producer (norm_fold.py, int8's format) -> its codes by its own max and
+    a_scale times rstd (dynamic), or the codes of x * rstd / scale (static), as fp8_gemm.fp8_fold_quantize_ref says.
+    values: the codes as their exact fp16 values [T, K] (what fp8_gemm's fp16-activation GEMV takes)."""
+    T, K, C = check_fold_inputs(x, mx, sq, None, None)
+    check_static_scale(static_scale)
+    with build.on_stream():
+        x8 = torch.empty((T, K), dtype=torch.float16 if values else FP8, device=x.device)  # [T, K]
+        a_scale = torch.empty((T,), dtype=torch.float32, device=x.device)  # [T]
+        if T:
+            fn = build.get_function("fp8_quantize.cu", "fp8_quantize_fold_h" if values else "fp8_quantize_fold",
+                                    FOLD_SIGNATURE)
+            fn((cdiv(K, FOLD_VALUES), T), (256,), x8, a_scale, mx, sq, static_scale, x, K, float(eps), C)
     return x8, a_scale

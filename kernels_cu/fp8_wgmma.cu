@@ -8,197 +8,327 @@
 // on the first of its 4 wgmma) into a chunk accumulator, and the chunk is added into the fp32 accumulator acc by
 // ordinary fp32 adds once wgmma.wait_group has retired it (CUTLASS's FP8 accumulation without "fast accumulation").
 //
-// Block = 128 tokens x 256 channels, 256 threads = two warpgroups of 64 tokens each sharing the weight tile. K
-// advances 128 codes per stage; a stage is the x tile (128 rows x 128 B) and the weight tile (256 rows x 128 B),
-// both K-major (as wgmma needs for 8-bit operands) in the 128-byte swizzle (wgmma.cuh). acc keeps the warpgroup's
-// 64 x 256 tile (128 registers a thread); the chunk holds one 128-channel half (m64n128, 64 registers: two of the
-// full width would not fit 255), so a stage is two rounds of 4 wgmma m64n128k32 + wait + 64 adds. The two
-// warpgroups' rounds interleave on the tensor cores while the other adds.
-// Pipeline (STAGES = 4 buffers): every thread copies its share of the tile PREFETCH = 3 ahead with cp.async,
-// waits for the current tile, and the warpgroups run the stage to completion (wait_group 0 before the chunk is
-// read). The buffer a copy overwrites last fed tile kt - 1, which every warpgroup retired before the barrier
-// that precedes the copy.
-// Tails: rows past M or N and k's past K are zero-filled by cp.async (src-size 0), never stored.
+// Block = 128 tokens x BN channels, three warpgroups (warp specialization):
+//   consumers (warpgroups 0, 1): 64 tokens x BN channels each, acc = BN / 2 fp32 registers a thread. A stage's
+//     128 k's are ROUNDS chunk rounds of BN / ROUNDS channels (4 wgmma m64n(BN/ROUNDS)k32 summed from zero into a
+//     chunk). With CHUNKS = 2 the rounds alternate between two chunk register sets: round r + 1 is issued before
+//     round r is waited for (wait_group 1) and added into acc, so the adds run under the tensor cores' next round
+//     (DeepSeek-V3's promotion overlap); a stage's last round is waited for (wait_group 0) before the next stage,
+//     since a group left in flight across the loop's back edge makes ptxas serialize every wgmma (C7514). CHUNKS = 1
+//     waits for each round, and only the other warpgroup's rounds fill the tensor cores meanwhile. Registers:
+//     BN / 2 + CHUNKS * BN / (2 ROUNDS) (<= 192, under setmaxnreg's 232).
+//     RS: x comes from registers, read once a stage by ldmatrix, not again by every round from shared memory.
+//   producer (warpgroup 2, 40 registers; one thread works): per stage one TMA copy of the x tile (128 rows x 128 B)
+//     and one of the weight tile (BN rows x 128 B), K-major in the 128-byte swizzle (wgmma.cuh), into a ring of
+//     STAGES slots, completing on the slot's `full` mbarrier by their bytes; before reusing a slot it waits on the
+//     slot's `empty` mbarrier, on which each consumer warp arrives once its last wgmma of that stage has retired.
+//     No block-wide barrier in the main loop: the consumers wait only for data, the producer only for slots.
+//     (A producer warpgroup of cp.async copies, each thread handing its stage over once its copies had landed, ran
+//     12-15% slower: H200, 2048 tokens, LLaMA-2-7B's shapes.)
+// Tails: rows past M or N and k's past K are zero-filled by the TMA unit, never stored.
 // fp8_wgmma_silu: a gate|up weight interleaved by 8 (swiglu_layout.py), so a thread's columns 8j + c (gate, j even)
 // and 8 (j + 1) + c (the same up channel) meet in its registers: y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up.
-// grid (ceil(M / 128), ceil(N / 256)): tokens fastest, so the blocks of one wave share each weight tile (read once
-// from DRAM) and the activations (M x K bytes) stay in L2. Dynamic shared memory SMEM_BYTES.
+// Tiles in order t = token tile + ceil(M / 128) * channel tile (tokens fastest, so the blocks of one wave share each
+// weight tile, read once from DRAM, and the activations stay in L2); block b takes tiles b, b + gridDim.x, ...
+// (fp8_wgmma.py launches a block a tile: a persistent grid of a block a SM measured no faster with cp.async copies).
+// Dynamic shared memory SMEM_BYTES (fp8_wgmma.py's Variant.smem_bytes).
+// The tile (BN, ROUNDS, CHUNKS, STAGES, RS) is chosen at compile time (fp8_wgmma.py's VARIANTS).
 #include "fp8_common.cuh"
 #include "wgmma.cuh"
 
 using namespace fllama;
 
+#ifndef FLLAMA_FP8_WGMMA_BN
+#define FLLAMA_FP8_WGMMA_BN 192
+#endif
+#ifndef FLLAMA_FP8_WGMMA_ROUNDS
+#define FLLAMA_FP8_WGMMA_ROUNDS 2
+#endif
+#ifndef FLLAMA_FP8_WGMMA_CHUNKS
+#define FLLAMA_FP8_WGMMA_CHUNKS 2
+#endif
+#ifndef FLLAMA_FP8_WGMMA_STAGES
+#define FLLAMA_FP8_WGMMA_STAGES 5
+#endif
+#ifndef FLLAMA_FP8_WGMMA_RS  // 1: x from registers (ldmatrix once a stage), 0: from shared memory every round
+#define FLLAMA_FP8_WGMMA_RS 0
+#endif
+
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 128;  // tokens, channels, k codes per stage
-constexpr int THREADS = 256;
-constexpr int STAGES = 4, PREFETCH = 3;
-constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK;  // 16 KB + 32 KB per stage
+constexpr int BM = 128, BK = 128;  // tokens, k codes per stage
+constexpr int BN = FLLAMA_FP8_WGMMA_BN, ROUNDS = FLLAMA_FP8_WGMMA_ROUNDS, CHUNKS = FLLAMA_FP8_WGMMA_CHUNKS;
+constexpr int STAGES = FLLAMA_FP8_WGMMA_STAGES;
+constexpr bool RS = FLLAMA_FP8_WGMMA_RS;
+constexpr int NC = BN / ROUNDS;          // channels of a chunk round (the wgmma's n)
+constexpr int ACC = BN / 2, CH = NC / 2;  // fp32 registers a thread: acc, one chunk
+constexpr int CONSUMERS = 256, THREADS = CONSUMERS + 128;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 512, "three warps of a sub-partition share 16K registers");
+static_assert(BN % (16 * ROUNDS) == 0 && (NC == 64 || NC == 96 || NC == 128), "chunk widths with a wgmma below");
+static_assert(CHUNKS == 1 || (CHUNKS == 2 && ROUNDS % 2 == 0), "two chunk sets alternate within a stage");
+static_assert(ACC + CHUNKS * CH + (RS ? 16 : 0) <= 208, "acc, the chunks (and x) must fit under 232 registers");
+constexpr int A_BYTES = BM * BK, B_BYTES = BN * BK;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + SW128_ALIGN;  // the launcher's dynamic shared memory
-static_assert(PREFETCH + 1 <= STAGES, "a copy may only overwrite the buffer of the tile one back (retired)");
-constexpr int HALF = BN / 2;  // channels of one chunk round (wgmma n128)
+constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;  // mbarriers after the ring: full[STAGES], then empty[STAGES]
+constexpr int FULL = 0, EMPTY = 8 * STAGES;
+constexpr int SMEM_BYTES = BAR_OFFSET + 16 * STAGES + SW128_ALIGN;  // the launcher's dynamic shared memory
+static_assert(STAGES >= 2 && SMEM_BYTES <= 227 * 1024, "the ring must fit one block a SM");
 
-// The 64 accumulator operands of an m64n128 wgmma (FLLAMA_D64 names them d[0..63]).
-#define FP8_D64_LIST                                                                                     \
+#define FP8_LIST32                                                                                       \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                           \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FP8_LIST48                                                                                       \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                           \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+#define FP8_LIST64                                                                                       \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                           \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                  \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                  \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FP8_COMMA ,
+#define FP8_WGMMA(N, LIST, OPS, A, B, P)                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " LIST ", " A ", " B ", p, 1, 1;\n}\n" \
+                 : OPS                                                                                      \
+                 : "l"(da), "l"(db), "n"(ADD))
 
-// d[64] (this thread's share of the warpgroup's 64 x 128 fp32 chunk) = (ADD ? d : 0) + A (64 x 32 e4m3) *
-// B (128 x 32 e4m3)^T; m64n128's d[4j + r] are m64n256's d[4j + r] of the tile's first 128 columns (wgmma.cuh).
+// d[NC / 2] (this thread's share of the warpgroup's 64 x NC fp32 chunk) = (ADD ? d : 0) + A (64 x 32 e4m3) *
+// B (NC x 32 e4m3)^T; d[4j + r] is the layout of wgmma.cuh for the chunk's 8-column groups j.
 template <int ADD>
-__device__ __forceinline__ void wgmma_e4m3_m64n128k32(float (&d)[64], uint64_t da, uint64_t db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FP8_D64_LIST ", %64, %65, p, 1, 1;\n}\n"
-                 : FLLAMA_D64("+f", 0)
-                 : "l"(da), "l"(db), "n"(ADD));
+__device__ __forceinline__ void wgmma_e4m3(float (&d)[CH], uint64_t da, uint64_t db) {
+    if constexpr (NC == 64) {
+        FP8_WGMMA(64, FP8_LIST32, FLLAMA_D16("+f", 0) FP8_COMMA FLLAMA_D16("+f", 16), "%32", "%33", "%34");
+    } else if constexpr (NC == 96) {
+        FP8_WGMMA(96, FP8_LIST48, FLLAMA_D16("+f", 0) FP8_COMMA FLLAMA_D16("+f", 16) FP8_COMMA FLLAMA_D16("+f", 32),
+                  "%48", "%49", "%50");
+    } else {
+        FP8_WGMMA(128, FP8_LIST64, FLLAMA_D64("+f", 0), "%64", "%65", "%66");
+    }
 }
 
-// Pins the chunk in its registers across the asynchronous wgmma (wgmma.cuh's fence_operands, 64 wide).
-__device__ __forceinline__ void fence_chunk(float (&d)[64]) {
+// The same with A (x) from registers: a[4] is this warp's m16n8k32-style fragment of the warpgroup's 64 x 32 slice.
+#define FP8_WGMMA_RS(N, LIST, OPS, A0, A1, A2, A3, B, P)                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " LIST ", {" A0 ", " A1 ", " A2 ", " A3 \
+                 "}, " B ", p, 1, 1;\n}\n"                                                                       \
+                 : OPS                                                                                          \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(ADD))
+template <int ADD>
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[CH], const uint32_t (&a)[4], uint64_t db) {
+    if constexpr (NC == 64) {
+        FP8_WGMMA_RS(64, FP8_LIST32, FLLAMA_D16("+f", 0) FP8_COMMA FLLAMA_D16("+f", 16), "%32", "%33", "%34", "%35",
+                     "%36", "%37");
+    } else if constexpr (NC == 96) {
+        FP8_WGMMA_RS(96, FP8_LIST48,
+                     FLLAMA_D16("+f", 0) FP8_COMMA FLLAMA_D16("+f", 16) FP8_COMMA FLLAMA_D16("+f", 32), "%48", "%49",
+                     "%50", "%51", "%52", "%53");
+    } else {
+        FP8_WGMMA_RS(128, FP8_LIST64, FLLAMA_D64("+f", 0), "%64", "%65", "%66", "%67", "%68", "%69");
+    }
+}
+
+// This warp's x fragments of a stage (RS): for each k32 step, ldmatrix x4 of the 16 rows 64 wg + 16 w.. in the
+// 128-byte swizzle: matrices (rows 0-7 | 8-15) x (k 0-15 | 16-31), lane l addressing row l % 8 of matrix l / 8; a
+// thread gets (row g, k 4t..4t + 3) of each, the fragment order a0..a3 (g = lane / 4, t = lane % 4).
+__device__ __forceinline__ void load_x(uint32_t (&a)[BK / 32][4], uint32_t stage_addr, int wg, int w, int lane) {
+    const int q = lane >> 3, row = 64 * wg + 16 * w + 8 * (q & 1) + (lane & 7);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int ks = 0; ks < BK / 32; ++ks) {
+        const uint32_t addr = stage_addr + sw128(row, 2 * ks + (q >> 1));
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(a[ks][0]), "=r"(a[ks][1]), "=r"(a[ks][2]), "=r"(a[ks][3])
+                     : "r"(addr));
+    }
 }
 
-// One chunk round of a warpgroup: channels 128 h.. of the stage's 128 k's summed by the tensor cores from zero,
-// retired, then added into acc in fp32 (acc[64 h + i] is the chunk's d[i]: the m64n256 layout).
-template <int H>
-__device__ __forceinline__ void chunk_round(float (&acc)[128], float (&d)[64], uint64_t da, uint64_t db) {
+// Pins a chunk in its registers across the asynchronous wgmma (wgmma.cuh's fence_operands).
+__device__ __forceinline__ void fence_chunk(float (&d)[CH]) {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Issues one chunk round: the stage's 128 k's of NC channels summed by the tensor cores from zero, one group; x from
+// shared memory (da) or from registers (ax, RS).
+__device__ __forceinline__ void issue_round(float (&d)[CH], uint64_t da, const uint32_t (&ax)[BK / 32][4],
+                                            uint64_t db) {
     fence_chunk(d);
     wgmma_fence();
-    wgmma_e4m3_m64n128k32<0>(d, da, db);
+    if constexpr (RS) {
+        wgmma_e4m3_rs<0>(d, ax[0], db);
 #pragma unroll
-    for (int ks = 1; ks < BK / 32; ++ks) wgmma_e4m3_m64n128k32<1>(d, da + 2 * ks, db + 2 * ks);  // +32 B a step
+        for (int ks = 1; ks < BK / 32; ++ks) wgmma_e4m3_rs<1>(d, ax[ks], db + 2 * ks);  // +32 B a step
+    } else {
+        wgmma_e4m3<0>(d, da, db);
+#pragma unroll
+        for (int ks = 1; ks < BK / 32; ++ks) wgmma_e4m3<1>(d, da + 2 * ks, db + 2 * ks);
+    }
     wgmma_commit();
-    wgmma_wait<0>();
+}
+
+// A retired round r (channels NC * r .. of the tile) added into acc in fp32: the chunk's d[i] is acc[CH r + i].
+// r is a constant once the callers' loops are unrolled (a run-time index would move acc to local memory).
+__device__ __forceinline__ void promote(float (&acc)[ACC], float (&d)[CH], int r) {
     fence_chunk(d);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[64 * H + i] = __fadd_rn(acc[64 * H + i], d[i]);
+    for (int i = 0; i < CH; ++i) acc[CH * r + i] = __fadd_rn(acc[CH * r + i], d[i]);
+}
+
+// The producer as one thread issuing TMA copies: per stage one box of x (128 rows x 128 k) and one of the weight (BN
+// rows), completing on the slot's `full` mbarrier by their bytes (the TMA unit fills rows past M or N and k's past K
+// with zeros), so nothing waits for copies to land. The maps may have been written by put_map under a graph
+// (tensor_map.py): generic-proxy stores reach the tensormap proxy only through this acquire.
+__device__ __forceinline__ void produce(uint32_t smem_addr, uint32_t bars, const void* xmap, const void* wmap, int M,
+                                        int N, int tiles) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(xmap) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wmap) : "memory");
+    const int token_tiles = (M + BM - 1) / BM, total = token_tiles * ((N + BN - 1) / BN);
+    RingPos<STAGES> put;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const int m0 = (t % token_tiles) * BM, n0 = (t / token_tiles) * BN;
+        for (int kt = 0; kt < tiles; ++kt) {
+            mbar_wait(bars + EMPTY + 8 * put.slot, put.phase ^ 1);  // the consumers retired the slot's last stage
+            const uint32_t full = bars + FULL + 8 * put.slot, dst = smem_addr + put.slot * STAGE_BYTES;
+            mbar_expect_tx(full, STAGE_BYTES);
+            tma_load_2d(dst, xmap, full, kt * BK, m0);
+            tma_load_2d(dst + A_BYTES, wmap, full, kt * BK, n0);
+            put.next();
+        }
+    }
+}
+
+// A consumer warpgroup's main loop: acc = the fp32 sums of its 64 rows x BN channels over all stages. With two chunk
+// sets, round r + 1 is issued before round r is retired and added; the last round of a stage is retired before the
+// next stage (ptxas serializes every wgmma when a group stays in flight across the loop's back edge, C7514).
+__device__ __forceinline__ void consume(float (&acc)[ACC], float (&chunk)[CHUNKS][CH], RingPos<STAGES>& cur,
+                                        uint32_t smem_addr, uint32_t bars, int tiles, int wg, int w, int lane) {
+#pragma unroll
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
+    for (int kt = 0; kt < tiles; ++kt) {
+        mbar_wait(bars + FULL + 8 * cur.slot, cur.phase);
+        const uint32_t base = smem_addr + cur.slot * STAGE_BYTES;
+        const uint64_t da = sw128_desc(base + wg * (64 * BK));
+        uint32_t ax[BK / 32][4];
+        if constexpr (RS) load_x(ax, base, wg, w, lane);
+#pragma unroll
+        for (int r = 0; r < ROUNDS; ++r) {
+            // the weight rows NC r..: 1024-byte aligned
+            issue_round(chunk[r % CHUNKS], da, ax, sw128_desc(base + A_BYTES + r * NC * BK));
+            if (CHUNKS == 1) {
+                wgmma_wait<0>();
+                promote(acc, chunk[0], r);
+            } else if (r > 0) {  // round r - 1 retires while round r runs
+                wgmma_wait<1>();
+                promote(acc, chunk[(r - 1) % CHUNKS], r - 1);
+            }
+        }
+        if (CHUNKS == 2) {
+            wgmma_wait<0>();
+            promote(acc, chunk[(ROUNDS - 1) % CHUNKS], ROUNDS - 1);
+        }
+        if (lane == 0) mbar_arrive(bars + EMPTY + 8 * cur.slot);  // this warp is done with the stage
+        cur.next();
+    }
 }
 
 enum Epi { EPI_PLAIN = 0, EPI_RES = 1, EPI_SILU = 2 };
 
+// The epilogue straight from the accumulators: plain and residual by wgmma_store_rows (wgmma.cuh); SwiGLU here,
+// rows m, m + 8, gate group j and up group j + 1 of each 16-column panel.
 template <int EPI>
-__device__ __forceinline__ void fp8_wgmma(__half* __restrict__ y, const uint8_t* __restrict__ x8,
-                                          const float* __restrict__ a_scale, int a_stride,
-                                          const uint8_t* __restrict__ w8, const float* __restrict__ w_scale,
-                                          const __half* residual, int M, int N, int K) {
+__device__ __forceinline__ void store(const float (&d)[ACC], __half* y, const float* __restrict__ a_scale,
+                                      int a_stride, const float* __restrict__ w_scale, const __half* residual, int M,
+                                      int N, int m, int n0, int lane) {
+    if constexpr (EPI != EPI_SILU) {
+        wgmma_store_rows<BN, EPI == EPI_RES>(d, y, a_scale, a_stride, w_scale, residual, M, N, m, n0, lane,
+                                             [](float acc, float as, float ws, const __half* r) {
+                                                 return fp8_epilogue(acc, as, ws, r);
+                                             });
+        return;
+    }
+    const float as0 = m < M ? a_scale[(size_t)m * a_stride] : 0.0f;
+    const float as1 = m + 8 < M ? a_scale[(size_t)(m + 8) * a_stride] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j += 2) {  // N % 16 == 0: a panel is all in or out
+        const int n = n0 + 8 * j + 2 * (lane & 3);
+        if (n >= N) continue;
+        const float2 wg_ = *reinterpret_cast<const float2*>(w_scale + n);
+        const float2 wu = *reinterpret_cast<const float2*>(w_scale + n + 8);
+        const int f = (n0 + 8 * j) / 2 + 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int mm = m + 8 * h;
+            if (mm >= M) continue;
+            const float as = h ? as1 : as0;
+            const __half g0 = fp8_epilogue(d[4 * j + 2 * h], as, wg_.x, nullptr);
+            const __half g1 = fp8_epilogue(d[4 * j + 2 * h + 1], as, wg_.y, nullptr);
+            const __half u0 = fp8_epilogue(d[4 * (j + 1) + 2 * h], as, wu.x, nullptr);
+            const __half u1 = fp8_epilogue(d[4 * (j + 1) + 2 * h + 1], as, wu.y, nullptr);
+            const __half lo = __hmul_rn(silu_h(__half2float(g0)), u0);
+            const __half hi = __hmul_rn(silu_h(__half2float(g1)), u1);
+            *reinterpret_cast<__half2*>(y + (size_t)mm * (N / 2) + f) = __halves2half2(lo, hi);
+        }
+    }
+}
+
+template <int EPI>
+__device__ __forceinline__ void fp8_wgmma(__half* y, const void* xmap, const float* __restrict__ a_scale, int a_stride,
+                                          const void* wmap, const float* __restrict__ w_scale, const __half* residual,
+                                          int M, int N, int K) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)SMEM_BYTES) __trap();  // the launcher disagrees with this layout
     unsigned char* smem = sw128_base(smem_raw);
     const uint32_t smem_addr = (uint32_t)__cvta_generic_to_shared(smem);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const uint32_t bars = smem_addr + BAR_OFFSET;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tiles = (K + BK - 1) / BK;
-
-    // This thread's copies per stage: rows tid / 8 + 32 i of x (4) and of the weight (8), 16-byte chunk tid % 8.
-    const int c = tid & 7, r0 = tid >> 3;
-    const uint8_t* a_src[BM / 32];
-    const uint8_t* b_src[BN / 32];
-    bool a_ok[BM / 32], b_ok[BN / 32];
-#pragma unroll
-    for (int i = 0; i < BM / 32; ++i) {
-        const int m = m0 + r0 + 32 * i;
-        a_ok[i] = m < M;
-        a_src[i] = x8 + (size_t)(a_ok[i] ? m : 0) * K + 16 * c;
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 32; ++i) {
-        const int n = n0 + r0 + 32 * i;
-        b_ok[i] = n < N;
-        b_src[i] = w8 + (size_t)(b_ok[i] ? n : 0) * K + 16 * c;
-    }
-    const int dst = sw128(r0, c);  // rows r0 + 32 i keep r0's swizzle (32 % 8 == 0)
-
-    pdl_wait();  // x8 and a_scale (and the residual) come from the previous kernels
-    auto load_tile = [&](int kt) {
-        unsigned char* sa = smem + (kt % STAGES) * STAGE_BYTES;
-        unsigned char* sb = sa + A_BYTES;
-        const int k = kt * BK;
-        const bool k_ok = k + 16 * c < K;  // K % 16 == 0: a chunk is all in or all out
-#pragma unroll
-        for (int i = 0; i < BM / 32; ++i) cp_async16(sa + dst + 32 * BK * i, a_src[i] + (k_ok ? k : 0), a_ok[i] && k_ok);
-#pragma unroll
-        for (int i = 0; i < BN / 32; ++i) cp_async16(sb + dst + 32 * BK * i, b_src[i] + (k_ok ? k : 0), b_ok[i] && k_ok);
-    };
-
-    float d[128];  // acc: the fp32 sums (the epilogue's d)
-    float chunk[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) chunk[i] = 0.0f;  // (scale-d 0 ignores it; defined for the compiler)
-    wgmma_pipeline_start<PREFETCH>(d, tiles, load_tile);
-    for (int kt = 0; kt < tiles; ++kt) {
-        cp_async_wait<PREFETCH - 1>();  // this thread's copies of tile kt have landed
-        fence_proxy_async();            // ... and are visible to the tensor cores (async proxy)
-        __syncthreads();                // everyone's copies; every warpgroup has retired tile kt - 1's wgmma
-        if (kt + PREFETCH < tiles) load_tile(kt + PREFETCH);
-        cp_async_commit();
-        const uint32_t sa = smem_addr + (kt % STAGES) * STAGE_BYTES + wg * (64 * BK);
-        const uint32_t sb = smem_addr + (kt % STAGES) * STAGE_BYTES + A_BYTES;
-        const uint64_t da = sw128_desc(sa);
-        chunk_round<0>(d, chunk, da, sw128_desc(sb));
-        chunk_round<1>(d, chunk, da, sw128_desc(sb + HALF * BK));  // weight rows 128..: 1024-byte aligned
-    }
-    pdl_launch_dependents();
-
-    // Epilogue straight from the accumulators: rows m, m + 8; column pairs (n, n + 1) of 8-column group j.
-    const int m = m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2);
-    const float as0 = m < M ? a_scale[(size_t)m * a_stride] : 0.0f;
-    const float as1 = m + 8 < M ? a_scale[(size_t)(m + 8) * a_stride] : 0.0f;
-    if constexpr (EPI == EPI_SILU) {  // N % 16 == 0: a panel (gate group j, up group j + 1) is all in or out
-#pragma unroll
-        for (int j = 0; j < BN / 8; j += 2) {
-            const int n = n0 + 8 * j + 2 * (lane & 3);
-            if (n >= N) continue;
-            const float2 wg_ = *reinterpret_cast<const float2*>(w_scale + n);
-            const float2 wu = *reinterpret_cast<const float2*>(w_scale + n + 8);
-            const int f = (n0 + 8 * j) / 2 + 2 * (lane & 3);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int mm = m + 8 * h;
-                if (mm >= M) continue;
-                const float as = h ? as1 : as0;
-                const __half g0 = fp8_epilogue(d[4 * j + 2 * h], as, wg_.x, nullptr);
-                const __half g1 = fp8_epilogue(d[4 * j + 2 * h + 1], as, wg_.y, nullptr);
-                const __half u0 = fp8_epilogue(d[4 * (j + 1) + 2 * h], as, wu.x, nullptr);
-                const __half u1 = fp8_epilogue(d[4 * (j + 1) + 2 * h + 1], as, wu.y, nullptr);
-                const __half lo = __hmul_rn(silu_h(__half2float(g0)), u0);
-                const __half hi = __hmul_rn(silu_h(__half2float(g1)), u1);
-                *reinterpret_cast<__half2*>(y + (size_t)mm * (N / 2) + f) = __halves2half2(lo, hi);
-            }
+    if (tid == 0) {
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(bars + FULL + 8 * i, 1);                // the producer's arrival with the stage's TMA bytes
+            mbar_init(bars + EMPTY + 8 * i, CONSUMERS / 32);  // every consumer warp retired the stage
         }
-    } else {
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    }
+    __syncthreads();
+
+    if (tid >= CONSUMERS) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+        pdl_wait();  // x8 comes from the previous kernel
+        if (tid == CONSUMERS) produce(smem_addr, bars, xmap, wmap, M, N, tiles);
+        pdl_launch_dependents();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+    pdl_wait();  // a_scale and the residual come from the previous kernels
+    const int wg = warp >> 2;
+    const int token_tiles = (M + BM - 1) / BM, total = token_tiles * ((N + BN - 1) / BN);
+    float acc[ACC];
+    float chunk[CHUNKS][CH];
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int n = n0 + 8 * j + 2 * (lane & 3);
-            if (n >= N) continue;
-            const float2 ws = *reinterpret_cast<const float2*>(w_scale + n);
+    for (int b = 0; b < CHUNKS; ++b)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int mm = m + 8 * h;
-                if (mm >= M) continue;
-                const size_t o = (size_t)mm * N + n;
-                const float as = h ? as1 : as0;
-                const bool res = EPI == EPI_RES;
-                const __half lo = fp8_epilogue(d[4 * j + 2 * h], as, ws.x, res ? residual + o : nullptr);
-                const __half hi = fp8_epilogue(d[4 * j + 2 * h + 1], as, ws.y, res ? residual + o + 1 : nullptr);
-                *reinterpret_cast<__half2*>(y + o) = __halves2half2(lo, hi);
-            }
-        }
+        for (int i = 0; i < CH; ++i) chunk[b][i] = 0.0f;  // (scale-d 0 ignores it; defined for the compiler)
+    RingPos<STAGES> cur;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {  // tokens fastest: a wave's blocks share weight tiles
+        consume(acc, chunk, cur, smem_addr, bars, tiles, wg, warp & 3, lane);
+        if (t + (int)gridDim.x >= total) pdl_launch_dependents();
+        const int m = (t % token_tiles) * BM + wg * 64 + (warp & 3) * 16 + (lane >> 2);
+        store<EPI>(acc, y, a_scale, a_stride, w_scale, residual, M, N, m, (t / token_tiles) * BN, lane);
     }
 }
 
 }  // namespace
 
-// (y fp16 [M,N] (silu: [M,N/2]), x8 e4m3 [M,K], a_scale f32 [M] or [1], a_stride 1|0, w8 e4m3 [N,K],
-//  w_scale f32 [N], residual fp16 [M,N] or null, M, N, K); K % 16 == 0, N % 8 == 0 (silu: N % 16 == 0).
+// (y fp16 [M,N] (silu: [M,N/2]), xmap: the tensor map of x8 e4m3 [M,K] (box 128 k x 128 rows), a_scale f32 [M] or
+//  [1], a_stride 1|0, wmap: the map of w8 e4m3 [N,K] (box 128 k x BN rows), both in the 128-byte swizzle and in
+//  global memory (tensor_map.py), w_scale f32 [N], residual fp16 [M,N] or null (may be y), M, N, K); K % 16 == 0,
+//  N % 16 == 0.
 #define FLLAMA_FP8_WGMMA(EPI, NAME)                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                 \
-        fp8_wgmma_##NAME(__half* y, const uint8_t* x8, const float* a_scale, int a_stride, const uint8_t* w8, \
+        fp8_wgmma_##NAME(__half* y, const void* xmap, const float* a_scale, int a_stride, const void* wmap,   \
                          const float* w_scale, const __half* residual, int M, int N, int K) {                \
-        fp8_wgmma<EPI>(y, x8, a_scale, a_stride, w8, w_scale, residual, M, N, K);                            \
+        fp8_wgmma<EPI>(y, xmap, a_scale, a_stride, wmap, w_scale, residual, M, N, K);                        \
     }
 FLLAMA_FP8_WGMMA(EPI_PLAIN, plain)
 FLLAMA_FP8_WGMMA(EPI_RES, res)

@@ -14,12 +14,13 @@
 //   projection's deferred quantization in the epilogue (silu_mul_part's work).
 // int8_gemv_xq[_res]: the same with x in fp16 plus the partial maxima of each token's row: the block quantizes its
 //   rows itself (quantize_fold's work), see XqHook. _res can also write the inputs of the RMSNorm after it
-//   deferred (Int8Fold below). int8_gemv_xq1[_res]: the same for one row, quantized in the main loop (RowQuantX).
+//   deferred (Int8Fold, deferred_quant.cuh). int8_gemv_xq1[_res]: the same for one row, quantized in the main loop
+//   (RowQuantX).
 // int8_gemv_nq1[_silu]: the plain / SwiGLU GEMV of one row of a deferred RMSNorm, quantized in the main loop from
 //   its producer's partials (NormRowHook), with no quantize_fold kernel before it.
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
-#include "gemm_common.cuh"
+#include "deferred_quant.cuh"
 
 using namespace fllama;
 
@@ -137,36 +138,11 @@ struct XqHook {
 // The deferred quantization of one row in the main loop (int8_gemv_xq1*, the batch-1 decode step): XqHook makes
 // every block read and quantize the whole row into shared memory behind a barrier before its first mma (down_proj:
 // 22 KB a block, 256 blocks at once), ~1.2 us of start per GEMV. Here
-// XqRowHook only finds the row's max (one L2 read, every warp its own: no barrier), and RowQuantX quantizes each
-// tile's x as the loop needs it: the lanes of a warp read one 128-byte run of fp16 x a tile (4 bytes each, lane
-// (g, t) values 16 t + 2 g, +1), quantize their two values by quantize.cu's rule (the same codes as XqHook) and
-// gather each t's 16 codes with shuffles; the B operand holds the token in column g, so lanes g > 0 then keep
-// zeros. The read goes out one step ahead (load), the conversion after that step's math (finish).
-struct XqRowHook {
-    float* inv;      // the warp's 127 / amax (a local of the kernel: registers after inlining)
-    float* s_scale;  // [1] a_scale for the epilogue, written by thread 0
-    const float* part;
-    const float* static_amax;
-    const float* row_amax;
-    int C, m0;
-
-    __device__ __forceinline__ void operator()() const {
-        float amax;
-        if (row_amax != nullptr) {
-            amax = row_amax[m0];
-        } else if (part != nullptr) {
-            amax = 0.0f;
-            for (int i = threadIdx.x & 31; i < C; i += 32) amax = fmaxf(amax, part[(size_t)m0 * C + i]);
-            amax = warp_max(amax);
-        } else {
-            amax = *static_amax;
-        }
-        float scale;
-        amax_scales(amax, *inv, scale);
-        if (threadIdx.x == 0) *s_scale = scale;
-    }
-};
-
+// XqRowHook (deferred_quant.cuh) only finds the row's max (one L2 read, every warp its own: no barrier), and
+// RowQuantX quantizes each tile's x as the loop needs it: the lanes of a warp read one 128-byte run of fp16 x a
+// tile (4 bytes each, lane (g, t) values 16 t + 2 g, +1), quantize their two values by quantize.cu's rule (the
+// same codes as XqHook) and gather each t's 16 codes with shuffles; the B operand holds the token in column g, so
+// lanes g > 0 then keep zeros. The read goes out one step ahead (load), the conversion after that step's math (finish).
 struct RowQuantX {
     static constexpr bool LOAD_FIRST = true;  // the first tile's x in flight with the hook's reads
     using Raw = uint32_t;                     // the lane's two fp16 values
@@ -202,71 +178,9 @@ struct RowQuantX {
 // sq, as an Int8Fold producer wrote them. NormRowHook reduces the partials as quantize_fold does, in its order
 // (virtual threads v < 128 sum sq[v], sq[v + 128], ... in turn, then a butterfly per warp of 32, then the four
 // warps in order: the same float), so inv and a_scale are quantize_fold's bits, and RowQuantX quantizes xg tile by
-// tile with them. zero (the SwiGLU GEMV's row max of this layer) is cleared by block 0: the down_proj before, its
-// last reader, has completed at this wait, and its writer runs after this kernel.
-struct NormQ {
-    const __half* xg;
-    const float* mx;
-    const float* sq;           // null: no norm (quantize()'s bits of xg from its maxima)
-    const float* static_amax;  // null: dynamic
-    float* zero;
-    float eps;
-    int C;
-};
-
-struct NormRowHook {
-    float* inv;      // the thread's 127 / amax (times rstd when static)
-    float* s_scale;  // [1] a_scale for the epilogue, written by thread 0
-    float* s_red;    // [8]: the sums of warps 0-3, the maxima of warps 4-7
-    NormQ nq;
-    int K;
-
-    __device__ __forceinline__ void operator()() const {
-        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, v = tid & 127;
-        if (nq.zero != nullptr && blockIdx.x == 0 && tid == 0) nq.zero[0] = 0.0f;
-        float r = 0.0f;
-        // unrolled, so that the loads go out at once (C = K / 8 = 512 for LLaMA-2-7B: 4 a thread); the adds stay
-        // in order
-        if (tid < 128) {
-            if (nq.sq != nullptr) {
-#pragma unroll 4
-                for (int i = v; i < nq.C; i += 128) r += nq.sq[i];
-            }
-            r = warp_sum(r);
-        } else {
-            if (nq.static_amax == nullptr) {
-#pragma unroll 4
-                for (int i = v; i < nq.C; i += 128) r = fmaxf(r, nq.mx[i]);
-            }
-            r = warp_max(r);
-        }
-        if (lane == 0) s_red[warp] = r;
-        __syncthreads();
-        float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            amax = fmaxf(amax, s_red[4 + w]);
-            sum += s_red[w];
-        }
-        float q_inv, scale;
-        fold_scales(amax, sum, nq.sq != nullptr, nq.static_amax, K, nq.eps, q_inv, scale);  // quantize_fold's
-        *inv = q_inv;
-        if (tid == 0) *s_scale = scale;
-    }
-};
-
-// The int8 deferred RMSNorm (norm_fold.py, int8 decode up to 16 rows): an EPI 1 producer (o_proj, down_proj)
-// writes for the norm after it (weight w [N]), per token m and 8-channel group of its output h: xg [M, N] =
-// fp16(h * w), sq [M, N / 8] = sum of h^2 and mx [M, N / 8] = max |xg|. quantize.cu's quantize_fold then turns
-// them into the next GEMV's codes and a_scale (rstd * xg quantized), which replaces rmsnorm_quant's one-block
-// chain of two reductions with one spread over blocks. xg null: none.
-struct Int8Fold {
-    const __half* w;
-    __half* xg;
-    float* sq;
-    float* mx;
-};
-
+// tile with them (deferred_quant.cuh, shared with the fp8 GEMVs). zero (the SwiGLU GEMV's row max of this layer) is
+// cleared by block 0.
+//
 // EPI: 0 plain, 1 + residual, 2 SwiGLU for the down projection's deferred quantization: block b's mma rows g
 // are gate channel f = 8b + g (weight row f of the fused [2F, K] gate|up), rows g + 8 the same up channel (row
 // F + f), so y [M, F] = fp16(silu(fp16 gate)) * fp16 up (silu_mul.cu's rounding of the two GEMM outputs) and
@@ -335,9 +249,9 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
         float inv = 0.0f;  // the row's 127 / amax, which the hook finds and RowQuantX reads
         auto hook = [&] {
             if constexpr (XQ == XQ_ROW) {
-                return XqRowHook{&inv, s_scale, part_in, static_amax, row_amax, C, m0};
+                return XqRowHook<Int8Rule>{&inv, s_scale, part_in, static_amax, row_amax, C, m0};
             } else {
-                return NormRowHook{&inv, s_scale, s_red, nq, K};
+                return NormRowHook<Int8Rule>{&inv, s_scale, s_red, nq, K, blockIdx.x == 0};
             }
         };
         gemv_mainloop<WARPS, UNROLL, TILE_K>(qweight, lo_row, hi_row, n_rows, ring, x_row, x_ok, K, 16 * t, warp, M,
@@ -381,16 +295,7 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
             y[(size_t)m * N + f] = a;
             amax = fabsf(__half2float(a));
         }
-        // the token's max over the block's 8 channels: the lanes of equal l & 3
-        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 4));
-        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 8));
-        amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, 16));
-        if ((l >> 2) == 0 && m < M) {
-            part_out[(size_t)m * gridDim.x + blockIdx.x] = amax;
-            // NaN (all 8 channels NaN) left out, as the fmaxf reductions over part leave it out
-            if (row_amax != nullptr && !isnan(amax))
-                atomicMax(reinterpret_cast<unsigned*>(row_amax + m), __float_as_uint(amax));
-        }
+        swiglu_amax_store(amax, l, m, M, part_out, blockIdx.x, gridDim.x, row_amax);
         return;
     }
     const int n = n_epi;  // blockIdx.x * 16 + (l >> 2) + (r >= 2 ? 8 : 0): this thread is lane l of warp r
@@ -399,27 +304,9 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
         const size_t o = (size_t)m * N + n;
         const __half h = int8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
         y[o] = h;
-        if (EPI == 1 && fold.xg != nullptr) {
-            const __half xg = __hmul_rn(h, fold_w);
-            fold.xg[o] = xg;
-            const float f = __half2float(h);
-            sq = f * f;
-            mx = fabsf(__half2float(xg));
-        }
+        if (EPI == 1 && fold.xg != nullptr) fold8_values(fold, h, fold_w, o, sq, mx);
     }
-    if (EPI == 1 && fold.xg != nullptr) {  // block-uniform
-        // token m's 8 channels of group n / 8 are the lanes of equal l & 3 in this warp (g = l >> 2)
-#pragma unroll
-        for (int d = 4; d < 32; d *= 2) {
-            sq += __shfl_xor_sync(FULL_MASK, sq, d);
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, d));
-        }
-        if ((l >> 2) == 0 && m < M && n < N) {
-            const size_t c = (size_t)m * (N / 8) + n / 8;
-            fold.sq[c] = sq;
-            fold.mx[c] = mx;
-        }
-    }
+    if (EPI == 1 && fold.xg != nullptr) fold8_store(fold, sq, mx, l, m, M, n, N);  // block-uniform
 }
 
 template <bool RESIDUAL>

@@ -220,7 +220,7 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
         res = "_res" if residual is not None else ""
         if wgmma:
             int8_wgmma.launch(y, q_x, a_scale, a_stride, qweight, w_scale, residual)
-        elif M > DECODE_MAX_M and N % 8 == 0:
+        elif M > DECODE_MAX_M and N % 8 == 0 and not _gemv_above_decode(M, N):
             acc = torch._int_mm(q_x, qweight.t())  # [M, N] int32 (cuBLASLt, TN layout)
             fn = build.get_function("int8_gemm.cu", f"int8_dequant{res}", "PPPiPPii")
             fn((cdiv(M * N // 4, GEMV_THREADS),), (GEMV_THREADS,), y, acc, a_scale, a_stride, w_scale, residual, M, N)
@@ -230,6 +230,12 @@ def int8_gemm(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w
             fn(grid, (GEMV_THREADS,), y, q_x, a_scale, a_stride, qweight, w_scale, residual,
                *_fold_args(fold_out), M, N, K, shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
     return y
+
+
+def _gemv_above_decode(M: int, N: int) -> bool:
+    """Whether a plain product of more than DECODE_MAX_M rows still runs the GEMV (tuning.int8_gemv_max_m / _n)."""
+    t = tuning.current()
+    return M <= t.int8_gemv_max_m and N <= t.int8_gemv_max_n
 
 
 def int8_gemm_ref(q_x: torch.Tensor, a_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,

@@ -104,26 +104,12 @@ __device__ __forceinline__ void int8_wgmma(__half* __restrict__ y, const int8_t*
     wgmma_drain(d);
     pdl_launch_dependents();
 
-    // Epilogue straight from the accumulators: rows m, m + 8; column pairs (n, n + 1), N % 8 == 0.
+    // Epilogue straight from the accumulators (N % 8 == 0).
     const int m = m0 + wg * 64 + (warp & 3) * 16 + (lane >> 2);
-    const float as0 = m < M ? a_scale[(size_t)m * a_stride] : 0.0f;
-    const float as1 = m + 8 < M ? a_scale[(size_t)(m + 8) * a_stride] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int n = n0 + 8 * j + 2 * (lane & 3);
-        if (n >= N) continue;
-        const float2 ws = *reinterpret_cast<const float2*>(w_scale + n);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int mm = m + 8 * h;
-            if (mm >= M) continue;
-            const size_t o = (size_t)mm * N + n;
-            const float as = h ? as1 : as0;
-            const __half lo = int8_epilogue(d[4 * j + 2 * h], as, ws.x, RESIDUAL ? residual + o : nullptr);
-            const __half hi = int8_epilogue(d[4 * j + 2 * h + 1], as, ws.y, RESIDUAL ? residual + o + 1 : nullptr);
-            *reinterpret_cast<__half2*>(y + o) = __halves2half2(lo, hi);
-        }
-    }
+    wgmma_store_rows<BN, RESIDUAL>(d, y, a_scale, a_stride, w_scale, residual, M, N, m, n0, lane,
+                                   [](int acc, float as, float ws, const __half* r) {
+                                       return int8_epilogue(acc, as, ws, r);
+                                   });
 }
 
 }  // namespace

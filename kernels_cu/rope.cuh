@@ -4,11 +4,12 @@
 // Numerics are transformers' (non-interleaved, rotate_half): the fp32 cos/sin table row of the position is
 // rounded to fp16, then for each pair (x1, x2) = (dim i, dim i + d/2), i < d/2, with c = cos[i], s = sin[i]:
 //   x1' = x1*c - x2*s,  x2' = x2*c + x1*s,  every multiply and add rounded to fp16 (_rn: no FMA contraction).
-// A cache slot holds fp16 head vectors, or int8 codes with one fp32 scale per head vector (quantize_ref's
-// rule over the d values: amax = max(max|x|, 1e-8), code = rint(x * (127 / amax)), scale = amax / 127).
+// A cache slot holds an fp16 head vector, or its 8-bit codes (int8 or e4m3) with one fp32 scale (kv_codes.cuh's
+// rules over the d values).
 #pragma once
 
 #include "common.cuh"
+#include "kv_codes.cuh"
 
 namespace fllama {
 
@@ -72,15 +73,17 @@ __device__ __forceinline__ void store_head_f16(void* k_cache, void* v_cache, boo
     store_half8(dst + half_d + 8 * g, hi);
 }
 
-// int8: m = the absmax over the whole head (head_absmax); the chunk-0 lane writes the slot's scale.
-__device__ __forceinline__ void store_head_i8(void* k_cache, void* v_cache, float* k_scale, float* v_scale,
+// 8-bit codes (KV_I8 or KV_F8): m = the absmax over the whole head (head_absmax); the chunk-0 lane writes the
+// slot's scale.
+template <int KV>
+__device__ __forceinline__ void store_head_q8(void* k_cache, void* v_cache, float* k_scale, float* v_scale,
                                               bool is_v, size_t slot, int d, int half_d, const Half8& lo,
                                               const Half8& hi, float m, int g) {
     float inv, scale;
-    amax_scales(m, inv, scale);
-    int8_t* dst = static_cast<int8_t*>(is_v ? v_cache : k_cache) + slot * d;
-    quantize_store8(dst + 8 * g, lo, inv);
-    quantize_store8(dst + half_d + 8 * g, hi, inv);
+    kv_scales<KV>(m, inv, scale);
+    uint8_t* dst = static_cast<uint8_t*>(is_v ? v_cache : k_cache) + slot * d;
+    kv_quantize_store8<KV>(dst + 8 * g, lo, inv);
+    kv_quantize_store8<KV>(dst + half_d + 8 * g, hi, inv);
     if (g == 0) (is_v ? v_scale : k_scale)[slot] = scale;
 }
 

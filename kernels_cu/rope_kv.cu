@@ -4,7 +4,8 @@
 //   cos_sin  fp32 [max_pos, d]                 row p = cos(p*f_0 .. p*f_{d/2-1}), sin(same)
 //   pos,row  int32 [T]                         position and cache row of each token (device: graphs reuse them)
 //   q_out    fp16 [T, nh, d]                   rotated q
-//   caches   [B, nkv, L, d]                    fp16, or int8 with fp32 scales [B, nkv, L] (absmax over d / 127)
+//   caches   [B, nkv, L, d]                    fp16, or int8 / e4m3 codes with fp32 scales [B, nkv, L]
+//                                              (kv_codes.cuh: absmax over d / 127, or / 448)
 //
 // Numerics are transformers' (non-interleaved, rotate_half): cos/sin rounded to fp16, then
 // x*cos + rotate_half(x)*sin with every multiply and add rounded to fp16 (_rn: no FMA contraction). The
@@ -14,7 +15,7 @@
 // (pos >= L or row outside [0, B)) gets its rotated q but no cache write.
 //
 // One block per token; thread unit u = head * G + g with G = d / 16 handles elements [8g, 8g+8) and
-// [d/2 + 8g, d/2 + 8g + 8) of one head (the rotation pairs). For the int8 cache the G lanes of a head
+// [d/2 + 8g, d/2 + 8g + 8) of one head (the rotation pairs). For the 8-bit caches the G lanes of a head
 // reduce their absmax with shuffles, so G must be a power of two (d in 16..512).
 #include "rope.cuh"
 
@@ -33,7 +34,7 @@ struct RopeArgs {
     int nh, nkv, d, L, B, max_pos;
 };
 
-template <bool INT8>
+template <int KV>
 __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
     const int t = blockIdx.x;
     const int G = a.d / 16, half_d = a.d / 2;
@@ -45,7 +46,7 @@ __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
     const __half* src_tok = a.qkv + (size_t)t * n_heads * a.d;
     const float* cs_row = a.cos_sin + (size_t)(rot_ok ? p : 0) * a.d;
 
-    // Every thread runs every iteration so the int8 path's shuffles see full warps.
+    // Every thread runs every iteration so the 8-bit paths' shuffles see full warps.
     for (int base = 0; base < units; base += blockDim.x) {
         const int u = base + threadIdx.x;
         const bool active = u < units;
@@ -73,17 +74,17 @@ __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
         const int kvh = is_v ? head - a.nh - a.nkv : head - a.nh;
         const size_t slot = ((size_t)r * a.nkv + kvh) * a.L + p;  // cache (row, head, position)
         const bool write = active && head >= a.nh && cache_ok;
-        if (!INT8) {
+        if constexpr (KV == KV_F16) {
             if (write) store_head_f16(a.k_cache, a.v_cache, is_v, slot, a.d, half_d, lo, hi, g);
         } else {
             const float m = head_absmax(lo, hi, active, G);
             if (write)
-                store_head_i8(a.k_cache, a.v_cache, a.k_scale, a.v_scale, is_v, slot, a.d, half_d, lo, hi, m, g);
+                store_head_q8<KV>(a.k_cache, a.v_cache, a.k_scale, a.v_scale, is_v, slot, a.d, half_d, lo, hi, m, g);
         }
     }
 }
 
-#define FLLAMA_ROPE_ENTRY(NAME, INT8)                                                                       \
+#define FLLAMA_ROPE_ENTRY(NAME, KV)                                                                         \
     extern "C" __global__ void __launch_bounds__(1024)                                                      \
         NAME(__half* q_out, void* k_cache, void* v_cache, float* k_scale, float* v_scale, const __half* qkv, \
              const float* cos_sin, const int* pos, const int* row, int nh, int nkv, int d, int L, int B,     \
@@ -91,8 +92,9 @@ __device__ __forceinline__ void rope_kv_token(const RopeArgs& a) {
         pdl_enter();                                                                                        \
         const RopeArgs a{q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row,                 \
                          nh, nkv, d, L, B, max_pos};                                                        \
-        rope_kv_token<INT8>(a);                                                                             \
+        rope_kv_token<KV>(a);                                                                               \
     }
 
-FLLAMA_ROPE_ENTRY(rope_kv_f16, false)
-FLLAMA_ROPE_ENTRY(rope_kv_i8, true)
+FLLAMA_ROPE_ENTRY(rope_kv_f16, KV_F16)
+FLLAMA_ROPE_ENTRY(rope_kv_i8, KV_I8)
+FLLAMA_ROPE_ENTRY(rope_kv_f8, KV_F8)

@@ -5,12 +5,11 @@ v heads), a table cos_sin fp32 [max_pos, head_dim] from rope_table(), and int32 
 device (so one captured decode graph serves every step). Outputs: q rotated into q_out fp16
 [T, n_heads, head_dim]; k rotated and v as they are into the caches at (row[t], head, pos[t]).
 
-KV-cache layouts (what the attention kernels read):
+KV-cache layouts (what the attention kernels read; kv_codes.py):
     fp16:  k_cache, v_cache  fp16 [B, n_kv, max_len, head_dim]
-    int8:  k_cache, v_cache  int8 [B, n_kv, max_len, head_dim]
-           k_scale, v_scale  fp32 [B, n_kv, max_len]   one scale per (row, head, position):
-           amax = max(max|k| over head_dim, 1e-8); q = clamp(rint(k * (127 / amax)), +-127);
-           scale = amax / 127; so k ~= q * scale (quantize.quantize_ref's rule applied per head vector).
+    int8 / fp8:  k_cache, v_cache  int8 / float8_e4m3fn [B, n_kv, max_len, head_dim]
+           k_scale, v_scale  fp32 [B, n_kv, max_len]   one scale per (row, head, position), k ~= code * scale:
+           int8 quantize.quantize_ref's rule, fp8 fp8_quantize.fp8_quantize_ref's, applied per head vector.
 
 Numerics match transformers (model_zoo.reference.apply_rope): cos/sin of fp32 frequencies cast to fp16,
 q*cos + rotate_half(q)*sin in fp16. A position outside the table gives q = 0 and no cache write; a position
@@ -23,7 +22,7 @@ import torch
 
 from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
-from kernels_cu.quantize import quantize_ref
+from kernels_cu.kv_codes import KvKind, quantize_kv_ref, require_kind
 from model_zoo import rope
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
@@ -32,6 +31,7 @@ from model_zoo.rope import RopeScaling, RopeType
 
 # q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row, nh, nkv, d, L, B, max_pos
 SIGNATURE = "PPPPPPPPPiiiiii"
+ENTRIES = {KvKind.FP16: "rope_kv_f16", KvKind.INT8: "rope_kv_i8", KvKind.FP8: "rope_kv_f8"}
 MAX_THREADS = 1024
 
 
@@ -77,13 +77,14 @@ def rope_kv_ref(qkv: torch.Tensor, cos_sin: torch.Tensor, pos: torch.Tensor, n_h
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  pos: torch.Tensor, row: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> None:
-    """Store k, v [T, n_kv, d] at (row[t], :, pos[t]); int8 caches get quantize_ref per head vector."""
+    """Store k, v [T, n_kv, d] at (row[t], :, pos[t]); 8-bit caches get quantize_kv_ref per head vector."""
     r, p = row.long(), pos.long()
-    if k_cache.dtype == torch.int8:
+    kind = KvKind.of(k_cache)
+    if kind.scaled:
         T, n_kv, d = k.shape
         for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-            q, s = quantize_ref(src.reshape(T * n_kv, d))
-            cache[r, :, p] = q.view(T, n_kv, d)
+            q, s = quantize_kv_ref(src.reshape(T * n_kv, d), kind)
+            cache.view(torch.uint8)[r, :, p] = q.view(torch.uint8).view(T, n_kv, d)  # bytes: any code dtype indexes
             scale[r, :, p] = s.view(T, n_kv)
     else:
         k_cache[r, :, p] = k.to(k_cache.dtype)
@@ -108,20 +109,20 @@ def rope_kv(qkv: torch.Tensor, cos_sin: torch.Tensor, pos: torch.Tensor, row: to
     check_tensor(cos_sin, "cos_sin", torch.float32)
     check_tensor(pos, "pos", torch.int32, (T,), align=4)
     check_tensor(row, "row", torch.int32, (T,), align=4)
-    int8 = k_cache.dtype == torch.int8
-    cache_dtype = torch.int8 if int8 else torch.float16
-    check_tensor(k_cache, "k_cache", cache_dtype, (B, n_kv, L, d))
-    check_tensor(v_cache, "v_cache", cache_dtype, (B, n_kv, L, d))
-    if int8:
+    kind = KvKind.of(k_cache)
+    check_tensor(k_cache, "k_cache", kind.dtype, (B, n_kv, L, d))
+    check_tensor(v_cache, "v_cache", kind.dtype, (B, n_kv, L, d))
+    if kind.scaled:
         if (d // 16) & (d // 16 - 1) or d > 512:
-            raise ConfigError(f"the int8 KV cache needs head_dim in 16, 32, ..., 512, got {d}")
+            raise ConfigError(f"the {kind.value} KV cache needs head_dim in 16, 32, ..., 512, got {d}")
+        require_kind(kind, k_cache.device.index or 0)
         check_tensor(k_scale, "k_scale", torch.float32, (B, n_kv, L), align=4)
         check_tensor(v_scale, "v_scale", torch.float32, (B, n_kv, L), align=4)
     q_out = out_or_new(q_out, (T, n_heads, d), torch.float16, qkv, "q_out")
     if T:
         units = (n_heads + 2 * n_kv_heads) * (d // 16)
         threads = min(MAX_THREADS, -(-units // 32) * 32)
-        fn = build.get_function("rope_kv.cu", "rope_kv_i8" if int8 else "rope_kv_f16", SIGNATURE)
+        fn = build.get_function("rope_kv.cu", ENTRIES[kind], SIGNATURE)
         fn((T,), (threads,), q_out, k_cache, v_cache, k_scale, v_scale, qkv, cos_sin, pos, row,
            n_heads, n_kv_heads, d, L, B, cos_sin.shape[0])
     return q_out

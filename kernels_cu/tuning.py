@@ -60,6 +60,15 @@ class Tuning:
     # From this many rows on Hopper with groups of 128, the same on wgmma (awq_wgmma_decode.cu): its fragments are
     # converted once for all tokens; at 17-31 rows the conversion does not pay yet.
     awq_wgmma_decode_min_m: int = 32
+    # ... and there only for wide outputs or much work (rows x K x N): elsewhere its blocks are too few to pull the
+    # weight at DRAM rate (H200, 32 rows: Llama-3.2-1B q|k|v 2048 x 3072 11.2 us against the GEMV's 7.7; LLaMA-2-7B
+    # down 11008 x 4096 27.1 against the batch GEMM's 25.5, but at 64 rows 40.0 against 45.0).
+    awq_wgmma_decode_min_n: int = 12288
+    # ... (rows x K x N: the fragments converted once serve many rows)
+    awq_wgmma_decode_min_work: int = 2_500_000_000
+    # The batch GEMM from this much work on; below it the GEMV, whose per-warp reads cost little on a small weight
+    # (32 rows: Llama-3.2-1B o 2048 x 2048 5.6 us against 7.4; down 8192 x 2048 13.5 against the GEMV's 16.2).
+    awq_batch_min_work: int = 2 ** 29
     # Above awq_gemv_max_m on Hopper with groups of 128: the fused wgmma GEMM (as fast as cuBLAS fp16 and no w_hat
     # pass) instead of dequantize + cuBLAS.
     awq_fused_prefill: bool = True
@@ -87,6 +96,12 @@ class Tuning:
     # ... each at least this many 128-k tiles.
     awq_wgmma_decode_min_tiles_per_split: int = 4
     # -- int8 GEMVs (int8_gemm.py) --
+    # Plain int8 products (no deferred norm, no SwiGLU epilogue) of up to this many rows and outputs run the GEMV
+    # (its 16-row tiles re-read the weight, from L2) instead of torch._int_mm + the dequant kernel (H200, 32 rows:
+    # Llama-3.2-1B down 8192 x 2048 12.2 us against 21.0, o 5.2 against 8.7; wider outputs fill cuBLAS's tiles).
+    int8_gemv_max_m: int = 32
+    # ... (outputs: the GEMV's grid is one block per 16 outputs, cuBLAS's tiles fill a wide N better)
+    int8_gemv_max_n: int = 4096
     # One row is quantized in the deferred GEMV's main loop, tile by tile, not in a prologue every block runs
     # behind a barrier before its first mma (the same codes).
     xq_row_loop: bool = True
@@ -99,10 +114,32 @@ class Tuning:
     # bytes). At 17-64 rows the GEMM has one 128-row tile a column, so ceil(N / 256) blocks: 16-86 for LLaMA-2-7B's
     # linears on 132 SMs, too few to pull the weight at DRAM rate, where the GEMV has N / 16 panels.
     fp8_gemv_max_m: int = 64
+    # Token rows an fp8 GEMV block takes above 16 rows: 32 (one block a panel at the batch-32 step, which converts
+    # each weight fragment to fp16 once for all of them; 16-row blocks convert it once each) or 16 (H200, a
+    # LLaMA-2-7B layer's four GEMVs at 32 rows: 90.8 us against 107.9).
+    fp8_gemv_block_rows: int = 32
+    # ... and whether such 32-row blocks convert the weights on the integer pipe (fp8_gemv_mt4a: the same sums),
+    # leaving the conversion pipe to the activations: slower on the H200 (103.7 us against 90.8).
+    fp8_gemv_alu_weights: bool = False
+    # Whether the deferred chain's fp8_quantize_fold writes its codes as fp16 values for GEMVs of 2-64 rows that then
+    # convert only the weights (fp8_gemv_h*: 16-row blocks), instead of codes the GEMV converts per token tile:
+    # slower on the H200 (135.0 us against 90.8; the engine at batch 32 -16.5%).
+    fp8_gemv_fp16_x: bool = False
+    # Above fp8_gemv_max_m on Hopper: cuBLASLt's fp8 GEMM (torch._scaled_mm, row-wise fp32 scales, fp16 out, exact
+    # accumulation) where the device's torch takes those scales, the residual and SwiGLU after it; else the wgmma
+    # kernel (fp8_wgmma.cu, epilogues fused). H200, 2048 rows: ~1,130 TFLOP/s per-tensor against the kernel's ~900.
+    fp8_prefill_library: bool = True
     # Up to this many rows an fp8 GEMV quantizes its fp16 input itself (fp8_gemv_xq, the same codes): no quantize
     # kernel before it, but every block re-reads the rows to find their max, which only one row does more cheaply
     # than the kernel it saves (int8's defer_quant_max_rows holds the same trade; 0: never).
     fp8_xq_max_rows: int = 1
+    # fp8 decode steps up to this many rows run int8's deferred chain (engine/plan.py; 0: never): o_proj / down_proj
+    # write the next norm's inputs, and the inputs of q|k|v and gate|up (that norm) and of o_proj and down_proj are
+    # quantized from the maxima (and sums) their producers wrote: in the GEMV at one row (no block reads a whole row
+    # for its scale), by fp8_quantize_fold above (a row over several blocks, where rmsnorm and fp8_quantize take one
+    # block a row and two kernels). The norm then rounds as int8's fold does (one fp16 rounding fewer). H200: a
+    # layer's GEMVs at one row 63.6 us against 71.5; fp8_quantize_fold 1.8-2.7 us against rmsnorm + fp8_quantize's 3.9.
+    fp8_defer_max_rows: int = 64
     # -- SwiGLU (silu_mul.py) --
     # Up to this many rows the int8 SwiGLU spreads each row over blocks: one block per row would leave all but a
     # few SMs idle (0: never).

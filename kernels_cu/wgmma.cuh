@@ -1,4 +1,4 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) helpers of the prefill GEMMs (int8_wgmma.cu, awq_wgmma.cu).
+// Hopper warpgroup MMA (wgmma, sm_90a) helpers of the prefill GEMMs (int8_wgmma.cu, fp8_wgmma.cu, awq_wgmma.cu).
 //
 // Shared-memory operands are K-major tiles of 128-byte rows in the 128-byte swizzle: the 16-byte chunk c of
 // row r is stored at chunk c ^ (r % 8), so that cp.async / st.shared writes of 8 consecutive rows and the
@@ -74,6 +74,19 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
                  : "memory");
 }
 
+// TMA (the bulk tensor copy engine): the box at (c0, r0) of a 2D tensor map (in global memory) into shared memory
+// at dst, completing its bytes on the mbarrier bar, whose phase mbar_expect_tx announced them. The 128-byte swizzle of
+// a map made with it matches sw128's layout (dst 1024-byte aligned).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, uint32_t bar, int c0, int r0) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(map), "r"(c0), "r"(r0), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // Barrier of a subset of the block (ids 1-15; 0 is __syncthreads), e.g. one warpgroup's 128 threads.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -125,6 +138,34 @@ template <typename T>
 __device__ __forceinline__ void wgmma_drain(T (&d)[128]) {
     wgmma_wait<0>();
     fence_operands(d);
+}
+
+// The prefill GEMMs' plain / residual epilogue straight from a warpgroup's m64n(BN) accumulators d (any type):
+// this thread's rows m and m + 8, column pairs (n, n + 1) of each 8-column group j; y = out(acc, a_scale of the
+// row, w_scale[n], the residual element or null), stored as fp16 pairs. Rows past M and columns past N are skipped.
+template <int BN, bool RESIDUAL, typename T, typename Out>
+__device__ __forceinline__ void wgmma_store_rows(const T (&d)[BN / 2], __half* y, const float* __restrict__ a_scale,
+                                                 int a_stride, const float* __restrict__ w_scale,
+                                                 const __half* residual, int M, int N, int m, int n0, int lane,
+                                                 Out out) {
+    const float as0 = m < M ? a_scale[(size_t)m * a_stride] : 0.0f;
+    const float as1 = m + 8 < M ? a_scale[(size_t)(m + 8) * a_stride] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int n = n0 + 8 * j + 2 * (lane & 3);
+        if (n >= N) continue;
+        const float2 ws = *reinterpret_cast<const float2*>(w_scale + n);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int mm = m + 8 * h;
+            if (mm >= M) continue;
+            const size_t o = (size_t)mm * N + n;
+            const float as = h ? as1 : as0;
+            const __half lo = out(d[4 * j + 2 * h], as, ws.x, RESIDUAL ? residual + o : nullptr);
+            const __half hi = out(d[4 * j + 2 * h + 1], as, ws.y, RESIDUAL ? residual + o + 1 : nullptr);
+            *reinterpret_cast<__half2*>(y + o) = __halves2half2(lo, hi);
+        }
+    }
 }
 
 }  // namespace fllama

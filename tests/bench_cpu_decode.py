@@ -170,6 +170,7 @@ def run(args) -> dict:
         loads.append(os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in rates.items()}
     base = med["transformers (matched)"]
+    default = "transformers (default)" if "transformers (default)" in med else "transformers (matched)"
     return {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "torch": torch.__version__, "torch_default_threads": default_threads,
                         "fllama_threads": threads, "load_average_1min": loads,
@@ -177,6 +178,7 @@ def run(args) -> dict:
             "tokens": args.tokens, "rounds": args.rounds, "decode_tok_s_median": med, "decode_tok_s": rates,
             "cpu_ms_per_token_median": {k: statistics.median(v) for k, v in cpu_ms.items()},
             "speedup_vs_transformers_matched": {k: v / base for k, v in med.items() if k not in hf_runs},
+            "speedup_vs_transformers_default": {k: v / med[default] for k, v in med.items() if k not in hf_runs},
             "ttft_s_median": {k: statistics.median(v) for k, v in ttft.items()}, "load_s": load_s,
             "backend": {k: o.describe() for k, o in opened.items()},
             "same_tokens_as_fp16": {k: t == tokens["fp16"] for k, t in tokens.items()}}
@@ -189,12 +191,17 @@ def _print(r: dict) -> None:
           f"thread(s), torch's default {m['torch_default_threads']} · load average {min(loads):.1f}-{max(loads):.1f} "
           f"(median {m['load_average_median']:.1f}) · {r['tokens']} tokens x {r['rounds']} rounds")
     base = r["decode_tok_s_median"]["transformers (matched)"]
-    print(f"{'':24}{'tok/s (median)':>15}{'x matched':>11}{'CPU ms/tok':>12}{'TTFT ms':>9}{'load s':>8}  all rounds")
+    print(f"{'':24}{'tok/s (median)':>15}{'x matched':>11}{'x default':>11}{'CPU ms/tok':>12}{'TTFT ms':>9}"
+          f"{'load s':>8}  all rounds")
     for k, v in r["decode_tok_s_median"].items():
         ttft, load = r["ttft_s_median"].get(k), r["load_s"].get(k)
+        vs_default = r["speedup_vs_transformers_default"].get(k)
         rounds = " ".join(f"{x:.1f}" for x in r["decode_tok_s"][k])
-        print(f"{k:24}{v:15.1f}{v / base:11.2f}{r['cpu_ms_per_token_median'][k]:12.1f}"
-              f"{'-' if ttft is None else f'{ttft * 1e3:.0f}':>9}{'-' if load is None else f'{load:.2f}':>8}  {rounds}")
+        print(f"{k:24}{v:15.1f}{v / base:11.2f}{'-' if vs_default is None else f'{vs_default:.2f}':>11}"
+              f"{r['cpu_ms_per_token_median'][k]:12.1f}{'-' if ttft is None else f'{ttft * 1e3:.0f}':>9}"
+              f"{'-' if load is None else f'{load:.2f}':>8}  {rounds}")
+    print("x default: fllama on its own threads against transformers on torch's default (meaningful without "
+          "--threads)")
     print(f"greedy tokens equal to fp16's: {r['same_tokens_as_fp16']}")
 
 

@@ -162,7 +162,8 @@ def test_awq_beats_round_to_nearest(config):
 def test_losses_are_the_blocks_output_errors():
     """With alpha 0 only (scales 1), each loss equals the error measured through reference.layer_forward."""
     layer, x = _layer(MHA), _x()
-    result = search_layer(layer, MHA, x, AwqConfig(group_size=G, n_grid=1, clip=False, duo_scaling=False, fp16_steps=True))
+    result = search_layer(layer, MHA, x, AwqConfig(group_size=G, n_grid=1, clip=False, duo_scaling=False,
+                                                   fp16_steps=True))
     assert all(torch.equal(s, torch.ones_like(s)) for s in result.scales.values())
     seen = {}
     _fwd(layer, MHA, x, observer=lambda p, a: seen.__setitem__(p, a))

@@ -8,43 +8,45 @@ import torch
 
 from fllama_cli.bench import _markdown
 from kernels_cu.bench import decode_bytes
-from kernels_cu.engine import Engine, EngineConfig
+from kernels_cu.engine import Engine, EngineConfig, KvKind
 from model_zoo.config import LlamaConfig
 
 
-def fake_engine(kv_int8: bool) -> SimpleNamespace:
+def fake_engine(kv: KvKind) -> SimpleNamespace:
     c = LlamaConfig.from_name("llama2-7b")
-    e = SimpleNamespace(config=c, cfg=EngineConfig(kv_int8=kv_int8), embed=torch.empty(0), lm_head=None)
+    e = SimpleNamespace(config=c, cfg=EngineConfig(kv=kv), embed=torch.empty(0), lm_head=None)
     e.kv_position_bytes = lambda: Engine.kv_position_bytes(e)
     e.step_weight_bytes = lambda batch: 1000 + 4096 * 2 * batch
     return e
 
 
 def test_decode_bytes_count_the_kv_cache_as_stored():
-    """fp16: K and V of 32 layers x 32 heads x 128 dims at 2 bytes; int8: 1-byte codes + a 4-byte scale per
-    head and position, so the floor of a --kv-int8 run counts what its kernels read."""
-    w16, kv16 = decode_bytes(fake_engine(False), batch=2, context=576)
-    w8, kv8 = decode_bytes(fake_engine(True), batch=2, context=576)
+    """fp16: K and V of 32 layers x 32 heads x 128 dims at 2 bytes; int8 and fp8: 1-byte codes + a 4-byte scale
+    per head and position, so the floor of a --kv-int8 / --kv-fp8 run counts what its kernels read."""
+    w16, kv16 = decode_bytes(fake_engine(KvKind.FP16), batch=2, context=576)
+    w8, kv8 = decode_bytes(fake_engine(KvKind.INT8), batch=2, context=576)
+    wf8, kvf8 = decode_bytes(fake_engine(KvKind.FP8), batch=2, context=576)
     assert kv16 == 2 * 32 * 2 * 576 * 32 * 128 * 2
-    assert kv8 == 2 * 32 * 2 * 576 * 32 * (128 + 4)
-    assert w16 == w8 == 1000 + 4096 * 2 * 2  # the engine's count for two rows
-    e = fake_engine(True)
+    assert kv8 == kvf8 == 2 * 32 * 2 * 576 * 32 * (128 + 4)
+    assert w16 == w8 == wf8 == 1000 + 4096 * 2 * 2  # the engine's count for two rows
+    e = fake_engine(KvKind.FP8)
     assert Engine.kv_bytes(e, 3, 99) == 3 * 100 * e.kv_position_bytes()  # the cache: max_len + 1 positions
 
 
-def test_markdown_header_says_when_the_kv_cache_is_int8():
+def test_markdown_header_says_which_kv_cache_ran():
     meta = {"model": "llama2-7b", "gpu": "GPU", "driver": "1", "date": "2026-11-22", "copy_bandwidth_tb_s": 3.0,
             "prompt_len": 512, "gen_len": 128, "repeat": 3, "programmatic_launch": True, "baseline": {},
-            "kv_int8": True}
+            "kv_cache": "int8"}
     row = {"scheme": "int8", "batch": 1, "decode_tok_s": 400.0}
     assert "KV cache int8" in _markdown([row], meta)
-    assert "KV cache int8" not in _markdown([row], {**meta, "kv_int8": False})
+    assert "KV cache fp8" in _markdown([row], {**meta, "kv_cache": "fp8"})
+    assert "KV cache" not in _markdown([row], {**meta, "kv_cache": "fp16"})
 
 
 def test_markdown_header_says_when_the_lm_head_is_int8():
     meta = {"model": "llama2-7b", "gpu": "GPU", "driver": "1", "date": "2026-11-22", "copy_bandwidth_tb_s": 3.0,
             "prompt_len": 512, "gen_len": 128, "repeat": 3, "programmatic_launch": True, "baseline": {},
-            "kv_int8": False, "lm_head_int8": True}
+            "kv_cache": "fp16", "lm_head_int8": True}
     row = {"scheme": "awq", "batch": 1, "decode_tok_s": 600.0}
     assert "lm_head int8" in _markdown([row], meta)
     assert "lm_head int8" not in _markdown([row], {**meta, "lm_head_int8": False})

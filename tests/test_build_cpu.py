@@ -54,6 +54,13 @@ ENTRY_POINTS = {
     "sampling.cu": ["sample_f16", "sample_f32"],
     "fp16_gemv.cu": [f"fp16_gemv_mt{m}{e}" for m in (1, 2) for e in ("", "_res", "_silu")]
                     + ["w8a16_gemv_mt1", "w8a16_gemv_mt2"],
+    "fp8_quantize.cu": [f"fp8_quantize_{v}_nv{n}" for v in ("dyn", "static") for n in (1, 2, 4, 8)]
+                       + ["fp8_quantize_fold", "fp8_quantize_fold_h"],
+    "fp8_gemm.cu": [f"fp8_gemv_{m}{e}" for m in ("mt1", "mt2", "mt4", "mt4a", "h1", "h2")
+                    for e in ("", "_res", "_silu")]
+                   + [f"fp8_gemv_xq{r}{e}" for r in ("", "1") for e in ("", "_res", "_silu")]
+                   + [f"fp8_gemv_nq{r}{e}" for r in ("", "1") for e in ("", "_silu")]
+                   + ["fp8_gemv_dq1", "fp8_gemv_dq1_res", "fp8_gemv_fq1", "fp8_gemv_fq1_silu"],
 }
 
 

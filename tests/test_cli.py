@@ -68,6 +68,14 @@ def test_chat_over_stdin(capsys, monkeypatch, model_dir):
     assert code == 0, err
 
 
+def test_info_of_a_random_preset_reads_no_weights(capsys, monkeypatch):
+    """A 70B preset is described from its shapes (random weights of it would need 280 GB in fp32)."""
+    code, out, err = fllama(capsys, monkeypatch, "info", "llama3.1-70b", "--random", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["kind"] == "random" and info["layers"] == 80 and info["kv_heads"] == 8
+    assert info["weight_bytes"] == 2 * info["parameters"] and 70e9 < info["parameters"] < 71e9
+
+
 def test_info_json(capsys, monkeypatch, model_dir):
     code, out, err = fllama(capsys, monkeypatch, "info", model_dir, "--json")
     info = json.loads(out)

@@ -114,7 +114,8 @@ def test_table_and_direct_mse_agree():
 def test_quant_config_accepts_fp8_static_and_smoothquant():
     cfg = QuantConfig(scheme=Scheme.FP8, act=ActQuant.STATIC, smooth=0.5)
     assert cfg.needs_stats and cfg.calibrator is CalibMethod.MAX  # docs/quality.md
-    assert cfg.describe() == {"scheme": "fp8", "act": "static", "smooth": 0.5, "calibrator": "max"}
+    assert cfg.describe() == {"scheme": "fp8", "act": "static", "smooth": 0.5, "calibrator": "max", "rounding": "gptq",
+                              "weight_scale": "search"}
     with pytest.raises(ConfigError, match="int8 and fp8, not awq"):
         QuantConfig(scheme=Scheme.AWQ, act=ActQuant.STATIC)
 

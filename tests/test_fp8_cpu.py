@@ -6,6 +6,7 @@ tests/gpu/test_fp8_kernels.py and tests/gpu/test_fp8_engine.py."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from kernels_cu.bench import random_weights
 from kernels_cu.engine.config import EngineConfig
 from kernels_cu.engine.fp8_op import Fp8Op
 from kernels_cu.engine.plan import StepPlan, plan_step
-from kernels_cu.fp8_gemm import (NormIn, fp8_gemm, fp8_gemm_ref, fp8_linear, fp8_linear_ref, fp8_swiglu_ref,
-                                 norm_launch)
+from kernels_cu.fp8_gemm import (FoldQuant, NormIn, fp8_fold_quantize_ref, fp8_gemm, fp8_gemm_ref, fp8_linear,
+                                 fp8_linear_ref, fp8_swiglu_ref, norm_launch)
 from kernels_cu.fp8_quantize import FP8, fp8_quantize, fp8_quantize_ref
+from kernels_cu.norm_fold import FoldOut
 from kernels_cu.silu_mul import silu_mul_ref
 from kernels_cu.tuning import DEFAULT
 from model_zoo.config import LlamaConfig
@@ -109,12 +111,46 @@ def test_fp8_op_takes_the_norm_at_one_row():
     assert norm_launch(4096) == (2, 256) and norm_launch(576) == (1, 96) and norm_launch(32768) is None
 
 
-def test_an_fp8_step_defers_nothing():
-    """The plan of an fp8 decode step: every norm a kernel, every linear quantizing its own input."""
+def test_an_fp8_step_defers_on_the_gemvs():
+    """The plan of an fp8 decode step: up to the GEMVs' rows int8's deferred chain (the norms folded in int8's
+    format; dynamic activations: o_proj and down_proj quantized from the maxima attention and the gate|up GEMV
+    wrote, at one row also its row max); beyond, every norm a kernel and every linear quantizing its own input."""
+    def layer(static):
+        op = Fp8Op(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32), torch.ones(1) if static else None)
+        return type("L", (), {"qkv": op, "o": op, "gate_up": op, "down": op})()
+
+    def plan(layers, m, cfg=EngineConfig(), t=DEFAULT):
+        return plan_step(layers, "fp8", 512, cfg, t, m)
+
+    assert plan([layer(False)], 1) == StepPlan(int8_fold=True, defer_o=True, defer_down=True, row_amax=True)
+    for m in (2, 8, 16, 64):
+        assert plan([layer(False)], m) == StepPlan(int8_fold=True, defer_o=True, defer_down=True)
+        assert plan([layer(True)], m) == StepPlan(int8_fold=True)
+    assert plan([layer(False)], 128) == StepPlan()  # the wgmma GEMM (tuning.fp8_gemv_max_m)
+    assert plan([layer(False), layer(True)], 1) == StepPlan()  # one activation mode for the chain
+    assert plan([layer(False)], 1, cfg=EngineConfig(fold_norms=False)) == StepPlan()
+    assert plan([layer(False)], 1, t=replace(DEFAULT, fp8_defer_max_rows=0)) == StepPlan()
+    assert plan([layer(False)], 16, t=replace(DEFAULT, fp8_defer_max_rows=8)) == StepPlan()
+
+
+def test_fp8_fold_input_and_its_reference():
+    """A deferred norm reaches an fp8 op as a FoldQuant; fp8_fold_quantize_ref: dynamic, xg's own codes by its max
+    with rstd in a_scale; static, the codes of xg * rstd / scale."""
     op = Fp8Op(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32), None)
-    layer = type("L", (), {"qkv": op, "o": op, "gate_up": op, "down": op})()
-    for m in (1, 8, 16, 64):
-        assert plan_step([layer], "fp8", 512, EngineConfig(), DEFAULT, m) == StepPlan()
+    fold = FoldOut.new(torch.ones(64).half(), 1, int8=True)
+    fq = op.fold_input(fold, 1e-5, zero=torch.ones(1))
+    assert isinstance(fq, FoldQuant) and fq.xg is fold.xg and fq.mx is fold.mx and fq.sq is fold.part
+    h = torch.randn(1, 64).half()
+    xg = h * torch.full((64,), 0.5).half()  # [1, 64]
+    mx = xg.float().abs().reshape(1, 8, 8).amax(-1)  # [1, 8]
+    sq = h.float().pow(2).reshape(1, 8, 8).sum(-1)  # [1, 8]
+    rstd = float(torch.rsqrt(sq.double().sum() / 64 + 1e-5))
+    x8, a_scale = fp8_fold_quantize_ref(FoldQuant(xg, mx, sq, 1e-5))
+    assert torch.equal(x8, fp8_quantize_ref(xg)[0])
+    assert a_scale.item() == pytest.approx(fp8_quantize_ref(xg)[1].item() * rstd, rel=1e-6)
+    x8, a_scale = fp8_fold_quantize_ref(FoldQuant(xg, mx, sq, 1e-5), torch.tensor([0.01]))
+    assert a_scale.item() == pytest.approx(0.01)
+    assert torch.equal(x8, (xg.float() * float(torch.tensor(100.0).double() * rstd)).clamp(-448, 448).to(FP8))
 
 
 def test_bench_random_weights_quantize_to_fp8():

@@ -8,12 +8,13 @@ import time
 
 from fllama_cli.options import DeviceChoice
 from fllama_cli.runtime import Opened, pick_device
+from kernels_cu.kv_codes import KvKind
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
 from model_zoo.load import LoadedModel, load_tokenizer
 
 
-def open_random_engine(preset: str, scheme: str, *, seed: int | None, kv_int8: bool, lm_head_int8: bool,
+def open_random_engine(preset: str, scheme: str, *, seed: int | None, kv: KvKind, lm_head_int8: bool,
                        max_context: int | None) -> Opened:
     t0 = time.perf_counter()
     pick_device(DeviceChoice.cuda)  # DeviceError, with the reason, without a usable GPU
@@ -27,7 +28,7 @@ def open_random_engine(preset: str, scheme: str, *, seed: int | None, kv_int8: b
     config = LlamaConfig.from_name(preset).with_context(max_context)
     device = torch.device("cuda", torch.cuda.current_device())
     weights = random_weights(config, scheme, device, seed or 0)
-    engine = Engine(weights, EngineConfig(kv_int8=kv_int8, lm_head_int8=lm_head_int8,
+    engine = Engine(weights, EngineConfig(kv=kv, lm_head_int8=lm_head_int8,
                                           max_len=max_context or EngineConfig.max_len))
     del weights
     loaded = LoadedModel(config=config, tokenizer=load_tokenizer(preset), state_dict={}, source=preset,

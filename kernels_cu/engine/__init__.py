@@ -6,5 +6,6 @@ from kernels_cu.engine.cache import GpuCache
 from kernels_cu.engine.config import BUCKETS, EngineConfig
 from kernels_cu.engine.engine import Engine
 from kernels_cu.engine.sampler import GpuRowSampler
+from kernels_cu.kv_codes import KvKind
 
-__all__ = ["BUCKETS", "Engine", "EngineConfig", "GpuCache", "GpuRowSampler"]
+__all__ = ["BUCKETS", "Engine", "EngineConfig", "GpuCache", "GpuRowSampler", "KvKind"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels_cu import build
+from kernels_cu.kv_codes import KvKind, require_kind
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import DeviceError
 
@@ -17,12 +18,12 @@ class GpuCache:
     """A KV cache for one batch bucket. `lengths` is the device tensor the decode graph reads; storage has
     one spare position per row so a row that is not decoding this step can write past its end harmlessly."""
 
-    k: list[torch.Tensor]  # per layer [Bb, n_kv, cap + 1, d] fp16 (int8 with kv_int8)
+    k: list[torch.Tensor]  # per layer [Bb, n_kv, cap + 1, d] fp16, or int8 / e4m3 codes (EngineConfig.kv)
     v: list[torch.Tensor]
     lengths: torch.Tensor  # [Bb] int32
     max_len: int  # positions a row may hold (<= cap)
     batch: int  # rows the caller asked for (<= Bb)
-    k_scale: list = field(default_factory=list)  # with kv_int8: per layer [Bb, n_kv, cap + 1] fp32 (x = q * scale)
+    k_scale: list = field(default_factory=list)  # 8-bit codes: per layer [Bb, n_kv, cap + 1] fp32 (x = code * scale)
     v_scale: list = field(default_factory=list)
     graphs: dict = field(default_factory=dict)  # "logits" | "sampled" -> (CUDA graph, its output tensor)
     # prefill graphs: (rows, length, starts) -> (graph, its ids input, its logits, the other inputs it reads),
@@ -57,26 +58,27 @@ class GpuCache:
         return self.static
 
 
-def kv_position_bytes(config: LlamaConfig, kv_int8: bool) -> int:
-    """Bytes of one position of one row's K and V over all layers and KV heads."""
-    per_head = config.head_dim + 4 if kv_int8 else config.head_dim * 2  # int8 codes + an fp32 scale
-    return 2 * config.n_layers * config.n_kv_heads * per_head
+def kv_position_bytes(config: LlamaConfig, kind: KvKind) -> int:
+    """Bytes of one position of one row's K and V over all layers and KV heads (8-bit codes + an fp32 scale)."""
+    return 2 * config.n_layers * config.n_kv_heads * KvKind(kind).head_bytes(config.head_dim)
 
 
-def alloc_cache(config: LlamaConfig, kv_int8: bool, bucket: int, cap: int, device: torch.device) -> GpuCache:
+def alloc_cache(config: LlamaConfig, kind: KvKind, bucket: int, cap: int, device: torch.device) -> GpuCache:
     """An empty cache of `bucket` rows and `cap` positions, checked against the GPU's free memory first."""
+    kind = KvKind(kind)
+    require_kind(kind, device.index if device.index is not None else torch.cuda.current_device())
     shape = (bucket, config.n_kv_heads, cap + 1, config.head_dim)
-    need = bucket * (cap + 1) * kv_position_bytes(config, kv_int8)
+    need = bucket * (cap + 1) * kv_position_bytes(config, kind)
     free = torch.cuda.mem_get_info(device)[0]
     if need > free:
         raise DeviceError(f"the KV cache for batch {bucket} x {cap} positions needs {need / 2**30:.1f} GiB but "
                           f"{free / 2**30:.1f} GiB are free: lower the batch or the context")
-    dtype = torch.int8 if kv_int8 else torch.float16
+    dtype = kind.dtype
     L = config.n_layers
     with build.on_stream():
         k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]
         v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(L)]
         scales = ([[torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(L)] for _ in range(2)]
-                  if kv_int8 else [[], []])
+                  if kind.scaled else [[], []])
         lengths = torch.zeros(bucket, dtype=torch.int32, device=device)
     return GpuCache(k=k, v=v, lengths=lengths, max_len=cap, batch=bucket, k_scale=scales[0], v_scale=scales[1])

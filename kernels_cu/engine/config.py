@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_zoo.errors import DeviceError
+from kernels_cu.kv_codes import KvKind
+from model_zoo.errors import ConfigError, DeviceError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode graphs are captured per bucket; a batch runs in the next one up
 
@@ -21,7 +22,9 @@ class EngineConfig:
     max_len: int = 4096  # KV positions per row, capped at the model's context
     use_graphs: bool = True
     prefill_graphs: bool = True  # a repeated short prefill shape replays a graph (tuning.prefill_graph_tokens)
-    kv_int8: bool = False  # int8 KV cache with a scale per (row, head, position): half the cache bytes
+    # the KV cache: fp16, or int8 / fp8 (e4m3) codes with a scale per (row, head, position): about half the bytes
+    # each decode step reads (kv_codes.py)
+    kv: KvKind = KvKind.FP16
     fold_norms: bool = True  # small decode batches defer their RMSNorms into the GEMVs (engine/plan.py)
     fuse_rope: bool = True  # decode: RoPE and the new token's K/V write inside the attention kernel (no rope_kv)
     # int8 decode of a few rows with dynamic activations: the SwiGLU in the gate|up GEMV's epilogue, and o_proj /
@@ -36,5 +39,9 @@ class EngineConfig:
     pipe_depth: int = 3
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kv", KvKind(self.kv))  # "int8" as well as KvKind.INT8
+        except ValueError:
+            raise ConfigError(f"kv must be one of {', '.join(k.value for k in KvKind)}, got {self.kv!r}") from None
         if self.pipe_depth < 1:
             raise DeviceError(f"pipe_depth must be >= 1, got {self.pipe_depth}")

@@ -29,6 +29,7 @@ from kernels_cu.engine.pipe import EnginePipe
 from kernels_cu.engine.plan import PREFILL, StepPlan, plan_step
 from kernels_cu.engine.sampler import GpuRowSampler, bucket_sampler
 from kernels_cu.int8_gemm import DeferredQuant
+from kernels_cu.kv_codes import require_kind
 from kernels_cu.rope_kv import rope_kv, rope_positions, rope_table
 from kernels_cu.sampling import GpuSampler, StepState
 from kernels_cu.tuning import DEFAULT, Tuning
@@ -49,6 +50,7 @@ class Engine:
         self.cfg, self.tuning = cfg, tuning
         self.config: LlamaConfig = weights.config
         self._device = torch.device("cuda", torch.cuda.current_device())
+        require_kind(cfg.kv, self._device.index)  # before the weights move: --kv-fp8 on a GPU without e4m3
         self.scheme = weights.meta.get("scheme", "fp16")
         dev = self._device
         with build.on_stream():
@@ -75,7 +77,7 @@ class Engine:
             fits = max(free // self.kv_position_bytes() - 1, 0)
             raise DeviceError(f"a context of {self.max_len:,} positions needs {need / 2**30:.1f} GiB of KV cache per "
                               f"sequence but {free / 2**30:.1f} GiB are free after the weights: at most {fits:,} "
-                              "positions fit (lower --max-context, or --kv-int8)")
+                              "positions fit (lower --max-context, or --kv-int8 / --kv-fp8)")
 
     def _fresh_state(self) -> None:
         self._caches: dict[tuple[int, bool], GpuCache] = {}
@@ -131,7 +133,7 @@ class Engine:
 
     def kv_position_bytes(self) -> int:
         """Bytes of one position of one row's K and V over all layers and KV heads."""
-        return kv_position_bytes(self.config, self.cfg.kv_int8)
+        return kv_position_bytes(self.config, self.cfg.kv)
 
     def kv_bytes(self, batch: int, max_len: int) -> int:
         return batch * (max_len + 1) * self.kv_position_bytes()
@@ -179,7 +181,7 @@ class Engine:
             cap = max(max_len, min(self.max_len, self.config.max_positions))
             if cap > max_len and self.kv_bytes(bucket, cap) > torch.cuda.mem_get_info(self._device)[0]:
                 cap = max_len  # a long --max-context: preallocate only what this batch asks for
-            cache = self._caches[key] = alloc_cache(self.config, self.cfg.kv_int8, bucket, cap, self._device)
+            cache = self._caches[key] = alloc_cache(self.config, self.cfg.kv, bucket, cap, self._device)
         cache.lengths.zero_()
         cache.max_len, cache.batch = max_len, batch
         return cache

@@ -5,6 +5,11 @@ to tuning.fp8_gemv_max_m rows or the wgmma GEMM above (fp8_gemm.py), so decode a
 reference's numerics. Up to tuning.fp8_xq_max_rows rows the GEMV quantizes its input itself, and after an RMSNorm
 (norm_input: the layer hands it the norm's input) applies the norm too, with the same bits: a one-row layer is five
 kernels, as int8's. A gate|up op with `swiglu` holds its weight interleaved by 8 and returns silu(gate) * up.
+
+In a decode step whose plan defers (plan.py: the fp8 chain, up to tuning.fp8_defer_max_rows rows) the op takes int8's
+deferred forms instead: a FoldQuant for q|k|v and gate|up (fold_input: the norm its producer deferred), a
+DeferredQuant for o_proj and down_proj (the maxima that attention or the gate|up GEMV wrote), and o_proj / down_proj
+write the next norm's FoldOut (fp8_gemm.py: quantized in the GEMV at one row, by fp8_quantize_fold beyond).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import torch
 
 from kernels_cu import tuning
-from kernels_cu.fp8_gemm import NormIn, fp8_linear, fp8_linear_norm, norm_launch
+from kernels_cu.fp8_gemm import (FoldQuant, NormIn, fp8_gemm_deferred, fp8_gemm_fold, fp8_linear, fp8_linear_norm,
+                                  norm_launch)
+from kernels_cu.int8_gemm import DeferredQuant
 from kernels_cu.fp8_quantize import FP8, require_fp8
 from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.swiglu_layout import gate_up_order
@@ -25,6 +32,7 @@ class Fp8Op:
     """y = fp8_quantize(x) @ w8^T with the scales (+ residual); with `swiglu` silu(gate) * up [M, F]."""
 
     int8 = False  # the layer hands it fp16 activations (norm kernels, attention's fp16 output)
+    fp8 = True  # plan.py's fp8 chain: takes FoldQuant / DeferredQuant inputs
 
     def __init__(self, w8: torch.Tensor, w_scale: torch.Tensor, static_scale: torch.Tensor | None,
                  swiglu: bool = False):
@@ -36,15 +44,36 @@ class Fp8Op:
         self.w_scale = w_scale.contiguous()  # [N] fp32
         self.static_scale = static_scale  # [1] fp32 for static activations, None for per-token dynamic
 
-    def __call__(self, x: torch.Tensor | NormIn, residual: torch.Tensor | None = None,
+    def __call__(self, x: torch.Tensor | NormIn | FoldQuant | DeferredQuant, residual: torch.Tensor | None = None,
                  fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
-        if fold_in is not None or fold_out is not None:
-            raise DeviceError("an fp8 linear takes no deferred RMSNorm")
+        """fold_out: the next RMSNorm deferred in int8's format (with the residual); a deferred norm before this op
+        arrives as a FoldQuant, never as fold_in."""
+        if fold_in is not None:
+            raise DeviceError("an fp8 linear takes its deferred RMSNorm as a FoldQuant")
+        if isinstance(x, FoldQuant):
+            if residual is not None or fold_out is not None:
+                raise DeviceError("an fp8 linear after a deferred norm takes no residual")
+            return fp8_gemm_fold(x, self.w8, self.w_scale, self.static_scale, self.swiglu)
+        if isinstance(x, DeferredQuant) or fold_out is not None:  # static: the tensor itself, quantized by the scale
+            dq = x if isinstance(x, DeferredQuant) else DeferredQuant(x, None)
+            return fp8_gemm_deferred(dq, self.w8, self.w_scale, self.static_scale, residual, fold_out)
         if isinstance(x, NormIn):
             if residual is not None:
                 raise DeviceError("an fp8 linear after an RMSNorm takes no residual")
             return fp8_linear_norm(x, self.w8, self.w_scale, self.static_scale, self.swiglu)
         return fp8_linear(x, self.w8, self.w_scale, self.static_scale, residual, self.swiglu)
+
+    def fold_input(self, fold: FoldOut, eps: float, zero: torch.Tensor | None = None) -> FoldQuant:
+        """This op's input after a norm its producer deferred in int8's format: zero, when given (one row), is
+        cleared by its GEMV (a later gate|up's row max)."""
+        return FoldQuant(fold.xg, fold.mx, fold.part, eps, zero)
+
+    def swiglu_deferred(self, x: FoldQuant, row_amax: torch.Tensor | None = None) -> DeferredQuant:
+        """gate|up of a deferred norm's rows: silu(gate) * up and its maxima per 8 channels (one row: also row_amax,
+        zero on entry, the row's max) for a down_proj that quantizes it from them."""
+        if not (self.swiglu and isinstance(x, FoldQuant)):
+            raise DeviceError("the fp8 SwiGLU GEMV writes its maxima from a deferred norm's rows")
+        return fp8_gemm_fold(x, self.w8, self.w_scale, self.static_scale, True, row_amax, maxima=True)
 
     def norm_input(self, h: torch.Tensor, w: torch.Tensor, eps: float) -> NormIn | None:
         """This op's input after the RMSNorm (weight w) of h [M, K] as a NormIn, which its GEMV normalizes and

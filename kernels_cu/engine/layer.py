@@ -64,6 +64,9 @@ def norm_in(h: torch.Tensor, w: torch.Tensor, op: Any, fold: FoldOut | None, eps
     (for an int8 op: a NormQuant, which op's GEMV quantizes at one row and quantize_fold otherwise, and None;
     zero: a buffer the quantizing kernel clears, for a later GEMV)."""
     if fold is not None and fold.int8:  # xg quantized from the producer's maxima and sums (no norm kernel)
+        by_fold = getattr(op, "fold_input", None)  # fp8 (engine/fp8_op.py): its GEMV takes the partials itself
+        if by_fold is not None:
+            return by_fold(fold, eps, zero), None
         nq = NormQuant(fold.xg, fold.mx, fold.part, eps, op.amax, zero, early=early_fold(h.shape[0], t))
         return (nq if nq.in_loop() else nq.quantized()), None
     if zero is not None:
@@ -88,7 +91,8 @@ def run_layer(layers: list[GpuLayer], final_norm: torch.Tensor, i: int, h: torch
     # before gate|up, or where the GEMVs quantize one row's norm themselves (a GEMV cannot clear what its own
     # blocks accumulate), q|k|v
     row_amax = cache.static["row_amax"] if plan.row_amax else None
-    qkv_clears = row_amax is not None and norm_in_loop(T)
+    # an fp8 gate|up GEMV always takes its norm's row itself, so its row max is cleared before it, by q|k|v
+    qkv_clears = row_amax is not None and (norm_in_loop(T) or getattr(L.qkv, "fp8", False))
     x, fold_in = norm_in(h, L.attn_norm, L.qkv, fold, eps, t, zero=row_amax if qkv_clears else None)
     qkv = L.qkv(x, fold_in=fold_in)  # [T, (nh + 2 nkv) d]
     o = attend(i, qkv)  # [T, nh * d], (q int8, a_scale) when attention quantized its output, or DeferredQuant
@@ -109,10 +113,10 @@ def run_layer(layers: list[GpuLayer], final_norm: torch.Tensor, i: int, h: torch
 def _swiglu(L: GpuLayer, x: Any, fold_in: FoldIn | None, plan: StepPlan, row_amax: torch.Tensor | None,
             t: Tuning, T: int) -> Any:
     """silu(gate) * up [T, F] of gate|up's input x in the form down_proj takes it (fp16, quantized, DeferredQuant)."""
-    if L.gate_up.swiglu:
-        return L.gate_up(x, fold_in=fold_in)  # the GEMV's epilogue applied silu(gate) * up
     if plan.defer_down:
         return L.gate_up.swiglu_deferred(x, row_amax)  # DeferredQuant: silu(gate) * up and its row maxima
+    if L.gate_up.swiglu:
+        return L.gate_up(x, fold_in=fold_in)  # the GEMV's epilogue applied silu(gate) * up
     if L.gate_up.int8 and L.down.int8 and T <= t.swiglu_int8_rows:
         d = L.gate_up.swiglu_deferred(x)  # the GEMV's SwiGLU epilogue and its maxima per 8 channels
         return quantize_fold(d.x, d.part, None, 0.0, L.down.amax, early=early_fold(T, t))  # silu_mul_quant's bits

@@ -1,9 +1,9 @@
 """Which kernels a decode step of m rows runs: the plan the engine reads before a step (and before its capture).
 
 Small steps are latency-bound, so they defer work into the kernels around it: the RMSNorms into the GEMVs that
-produce and consume them (norm_fold.py), and, for int8, the activation quantizations into the GEMVs that take
-them (int8_gemm.DeferredQuant / NormQuant). Each deferral has a row limit in tuning.py past which it costs more
-than the kernel it saves.
+produce and consume them (norm_fold.py), and, for int8 and fp8, the activation quantizations into the
+GEMVs that take them (int8_gemm.DeferredQuant / NormQuant, fp8_gemm.FoldQuant). Each deferral has a row limit in
+tuning.py past which it costs more than the kernel it saves.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from kernels_cu.tuning import Tuning
 @dataclass(frozen=True)
 class StepPlan:
     fold: bool = False  # fp16 / AWQ: the RMSNorms deferred into the GEMVs (the embedding writes layer 0's)
-    int8_fold: bool = False  # int8: o_proj / down_proj write the next norm's inputs; the final norm stays a kernel
-    defer_o: bool = False  # int8: o_proj quantizes attention's fp16 output itself
-    defer_down: bool = False  # int8: down_proj quantizes the SwiGLU that the gate|up GEMV's epilogue wrote
+    int8_fold: bool = False  # int8, fp8: o_proj / down_proj write the next norm's inputs; the final norm stays a kernel
+    defer_o: bool = False  # int8, fp8: o_proj quantizes attention's fp16 output itself
+    defer_down: bool = False  # int8, fp8: down_proj quantizes the SwiGLU that the gate|up GEMV's epilogue wrote
     row_amax: bool = False  # ... and that GEMV writes each row's max for it (a buffer of the cache)
 
     @property
@@ -61,8 +61,23 @@ def defers_quant(layers: Sequence[Any], cfg: EngineConfig, t: Tuning, m: int) ->
                for l in layers)
 
 
+def fp8_chain(layers: Sequence[Any], hidden: int, cfg: EngineConfig, t: Tuning, m: int) -> bool:
+    """fp8 up to tuning.fp8_defer_max_rows rows on the GEMVs: int8's deferred chain, where every linear is fp8 and
+    o_proj / down_proj share one activation mode (dynamic: their inputs quantized from the maxima attention and the
+    gate|up GEMV wrote)."""
+    if not (m <= min(t.fp8_defer_max_rows, t.fp8_gemv_max_m) and cfg.fold_norms and cfg.fuse_rope
+            and norm_fold.takes(hidden)):
+        return False
+    if not all(getattr(op, "fp8", False) for op in _ops(layers)):
+        return False
+    return len({op.static_scale is None for l in layers for op in (l.o, l.down)}) == 1
+
+
 def plan_step(layers: Sequence[Any], scheme: str, hidden: int, cfg: EngineConfig, t: Tuning, m: int) -> StepPlan:
     """The plan of a decode step of m rows (the bucket's size)."""
+    if fp8_chain(layers, hidden, cfg, t, m):
+        dynamic = layers[0].o.static_scale is None
+        return StepPlan(int8_fold=True, defer_o=dynamic, defer_down=dynamic, row_amax=dynamic and m == 1)
     defer = defers_quant(layers, cfg, t, m)
     int8_fold = folds_int8(layers, hidden, cfg, t, m)
     defer_down = defer and t.defer_swiglu

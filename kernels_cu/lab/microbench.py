@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -28,6 +28,15 @@ from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu, w8a16_linear
 from kernels_cu.int8_gemm import int8_gemm
 
 SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
+
+
+def model_shapes(name: str) -> list[tuple[str, int, int]]:
+    """A preset's decode linears as (name, K, N), fused as the engine runs them."""
+    from model_zoo.config import LlamaConfig
+    c = LlamaConfig.from_name(name)
+    h = c.hidden_size
+    return [("qkv", h, c.q_size + 2 * c.n_kv_heads * c.head_dim), ("o", c.q_size, h),
+            ("gate|up", h, 2 * c.ffn_size), ("down", c.ffn_size, h)]
 REPS = 20  # calls per graph
 REPLAYS = 60  # timed replays (median)
 L2_FACTOR = 3  # weight copies span at least this many times the L2
@@ -93,6 +102,12 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(16, -(-L2_FACTOR * l2 // max(nbytes, 1))))
 
 
+def bench_int8_gemv(m: int, k: int, n: int, bw: float) -> Row:
+    """The int8 GEMV kernel forced above DECODE_MAX_M rows (tuning.int8_gemv_max_m), against int8_gemm's choice."""
+    with tuning.override(int8_gemv_max_m=max(m, 16), int8_gemv_max_n=n):
+        return replace(bench_int8(m, k, n, bw), op="int8-gemv")
+
+
 def bench_int8(m: int, k: int, n: int, bw: float) -> Row:
     nc = copies_for(n * k)
     w = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda") for _ in range(nc)]
@@ -131,6 +146,8 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
         rows.append(row("int8 _int_mm", time_graph(lambda i: int8_gemm(xq, a, w8[i], ws), nc), n * k))
     finally:
         int8_wgmma.takes = saved
+    if build.has_wgmma(torch.cuda.current_device()):
+        rows += prefill_fp8(m, k, n, nc, row)
     # the path the fused GEMM replaced
     with tuning.override(awq_fused_prefill=False):
         rows.append(row("awq dq+cuBLAS", time_graph(lambda i: awq_linear(x, awq[i]), nc), awq[0].nbytes()))
@@ -138,6 +155,24 @@ def bench_prefill(m: int, k: int, n: int, bw: float) -> list[Row]:
         rows.append(row("awq wgmma", time_graph(lambda i: awq_wgmma.launch(x, awq[i], None, None), nc),
                         awq[0].nbytes()))
     return rows
+
+
+def prefill_fp8(m: int, k: int, n: int, nc: int, row: Callable[[str, float, float], Row]) -> list[Row]:
+    """FP8 E4M3 at prefill sizes, both paths of fp8_wgmma.launch: the wgmma kernel (the tile `choose` takes) and,
+    where this torch takes row-wise scales with fp16 output, cuBLASLt's fp8 GEMM (torch._scaled_mm)."""
+    from kernels_cu import fp8_wgmma
+    from kernels_cu.gemm_shapes import sm_count
+    f8 = torch.float8_e4m3fn
+    x8 = (torch.randn(m, k, device="cuda") * 8).to(f8)  # [m, k]
+    w8 = [(torch.randn(n, k, device="cuda") * 8).to(f8) for _ in range(nc)]  # [n, k]
+    a = torch.rand(m, device="cuda") * 0.01 + 1e-3
+    ws = torch.rand(n, device="cuda") * 0.01 + 1e-3
+    y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    paths = [fp8_wgmma.choose(m, n, sm_count())]
+    if fp8_wgmma.library_takes(torch.cuda.current_device()):
+        paths.append("library")
+    return [row(f"fp8 {'wgmma ' if p != 'library' else ''}{p}", time_graph(
+        lambda i, p=p: fp8_wgmma.launch(y, x8, a, 1, w8[i], ws, None, "plain", p), nc), n * k) for p in paths]
 
 
 def bench_fp16(m: int, k: int, n: int, bw: float) -> Row:
@@ -302,7 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
     ap.add_argument("--batch-splits", default="", help="also sweep the AWQ batch GEMM's K splits, e.g. 1,2,4")
     ap.add_argument("--json", default="", help="write the rows to this file")
+    ap.add_argument("--model", default="llama2-7b", help="the preset whose shapes are measured")
     args = ap.parse_args(argv)
+    shapes = SHAPES_7B if args.model == "llama2-7b" else model_shapes(args.model)
     build.require_cuda()
     only = set(args.only.split(","))
     ms = [int(v) for v in args.ms.split(",")]
@@ -311,11 +348,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{info['name']} ({info['sm_count']} SMs), driver {info['driver_version']}; copy bandwidth {bw:.0f} GB/s")
     rows: list[Row] = []
     for m in ms:
-        for name, k, n in SHAPES_7B:
+        for name, k, n in shapes:
             if "fp16" in only:
                 rows.append(bench_fp16(m, k, n, bw))
             if "int8" in only:
                 rows.append(bench_int8(m, k, n, bw))
+                if m > 16:
+                    rows.append(bench_int8_gemv(m, k, n, bw))
+                    with tuning.override(int8_gemv_max_m=16):
+                        rows.append(replace(bench_int8(m, k, n, bw), op="int8-intmm"))
             if "awq" in only:
                 rows.append(bench_awq(m, k, n, bw))
                 rows.append(bench_awq_gemv(m, k, n, bw))
@@ -326,17 +367,20 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append(bench_awq_gemv(m, k, n, bw, batch=True, splits=int(s)))
                 for s in filter(None, args.awq_splits.split(",")):
                     rows.append(bench_awq(m, k, n, bw, splits=int(s)))
-    if "head" in only:  # LLaMA-2-7B's lm_head: 32,000 x 4,096
-        rows += [r for m in ms for r in (bench_fp16(m, 4096, 32000, bw), bench_w8a16(m, 4096, 32000, bw))]
+    if "head" in only:  # the lm_head: vocabulary x hidden
+        from model_zoo.config import LlamaConfig
+        c = LlamaConfig.from_name(args.model)
+        v, h = c.vocab_size, c.hidden_size
+        rows += [r for m in ms for r in (bench_fp16(m, h, v, bw), bench_w8a16(m, h, v, bw))]
     if "dequant" in only:
-        rows += [bench_awq_dequant(k, n, bw) for _, k, n in SHAPES_7B]
-        rows += [bench_awq_packed_dequant(k, n, bw) for _, k, n in SHAPES_7B]
+        rows += [bench_awq_dequant(k, n, bw) for _, k, n in shapes]
+        rows += [bench_awq_packed_dequant(k, n, bw) for _, k, n in shapes]
     if "prefill" in only:
-        rows += [r for m in map(int, args.prefill_ms.split(",")) for _, k, n in SHAPES_7B for r in bench_prefill(m, k, n, bw)]
+        rows += [r for m in map(int, args.prefill_ms.split(",")) for _, k, n in shapes for r in bench_prefill(m, k, n, bw)]
     if "attn" in only:
         rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
     if "l2" in only:
-        rows += [r for _, k, n in SHAPES_7B for kind in ("fp16", "int8", "awq") for r in bench_l2_residency(kind, k, n, bw)]
+        rows += [r for _, k, n in shapes for kind in ("fp16", "int8", "awq") for r in bench_l2_residency(kind, k, n, bw)]
     print(f"{'op':<17}{'shape':<14}{'M':>5}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
     for r in rows:
         t = f"{r.torch_us:10.2f}  {r.torch_us / r.us:.2f}x {r.torch_what}" if r.torch_us else ""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from model_zoo.load import load_model
+from model_zoo.load import load_model, load_tokenizer, resolve_config
 from model_zoo.quant.formats import Scheme, describe_quantization, load_quantized_weights, scheme_of
 from model_zoo.quant.int8 import dequantize_weight_int8, quantize_weight_int8
 from model_zoo.weights import ModelWeights
@@ -42,15 +42,18 @@ def _format_line(qcfg: Any) -> str | None:
 
 def describe_model(source: str | None, random: bool = False) -> dict:
     """What `source` is: architecture, sizes, scheme and stored bytes, tokenizer, chat template (JSON-ready)."""
-    loaded = load_model(source, random=random)
-    c = loaded.config
-    qcfg = loaded.meta.get("quantization_config")
-    weights = build_weights(loaded, torch.float16)
-    tok = loaded.tokenizer
-    fl = loaded.meta.get("fllama") or {}
+    if random:  # the preset's shapes: nothing to read, and random weights of a 70B model would not fit
+        c, tok = resolve_config(source), load_tokenizer(source)
+        where, kind, meta, nbytes = str(source), "random", {"dtype": "float16"}, 2 * c.n_params()
+    else:
+        loaded = load_model(source)
+        c, tok, where, kind, meta = loaded.config, loaded.tokenizer, loaded.source, loaded.kind, loaded.meta
+        nbytes = build_weights(loaded, torch.float16).nbytes()
+    qcfg = meta.get("quantization_config")
+    fl = meta.get("fllama") or {}
     info = {
-        "source": loaded.source,
-        "kind": loaded.kind,
+        "source": where,
+        "kind": kind,
         "architecture": "llama",
         "name": c.name,
         "layers": c.n_layers,
@@ -68,8 +71,8 @@ def describe_model(source: str | None, random: bool = False) -> dict:
         "parameters": c.n_params(),
         "scheme": scheme_of(qcfg).value,
         "quant_format": _format_line(qcfg),
-        "stored_dtype": loaded.meta.get("dtype"),
-        "weight_bytes": weights.nbytes(),
+        "stored_dtype": meta.get("dtype"),
+        "weight_bytes": nbytes,
         "quantization_config": qcfg,
         "calibrator": fl.get("calibrator"),
         "group_size": (qcfg or {}).get("group_size"),
@@ -78,6 +81,6 @@ def describe_model(source: str | None, random: bool = False) -> dict:
         "eos_ids": sorted(tok.eos_ids),
         "chat_template": tok.chat_template is not None,
     }
-    if loaded.meta.get("gguf_file_type") is not None:
-        info["gguf_file_type"] = loaded.meta["gguf_file_type"]
+    if meta.get("gguf_file_type") is not None:
+        info["gguf_file_type"] = meta["gguf_file_type"]
     return info

@@ -15,6 +15,7 @@ def main() -> None:
     from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
     from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding, embedding_fold
+    from kernels_cu.fp8_quantize import has_fp8
     from kernels_cu.norm_fold import FoldOut
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu, w8a16_linear
     from kernels_cu import awq_wgmma, awq_wgmma_decode
@@ -113,8 +114,10 @@ def main() -> None:
                 awq_wgmma_decode.launch(r(m, 640), pack_for_gemv(*quantize_awq(r(320, 640).float(), 128)),
                                         r(m, 320), None, splits=sp)
         B, L = 3, 300
-        for kv8 in (False, True):
-            kc = torch.zeros(B, nkv, L, d, device=dev, dtype=torch.int8 if kv8 else torch.float16)
+        kinds = [torch.float16, torch.int8] + ([torch.float8_e4m3fn] if has_fp8(torch.cuda.current_device()) else [])
+        for kv_dtype in kinds:
+            kv8 = kv_dtype != torch.float16
+            kc = torch.zeros(B, nkv, L, d, device=dev, dtype=kv_dtype)
             vc = torch.zeros_like(kc)
             ks = torch.zeros(B, nkv, L, device=dev) if kv8 else None
             vs = torch.zeros_like(ks) if kv8 else None

@@ -227,18 +227,21 @@ def test_chat_cache_reuse_on_the_engine():
     assert n == len(chat.cached_ids) and rel(cached, fresh) < 1e-2
 
 
+@pytest.mark.parametrize("kv", ("int8", "fp8"))
 @pytest.mark.parametrize("scheme", ("fp16", "int8-dynamic"))
-def test_int8_kv_cache_option(scheme):
-    from kernels_cu.engine import Engine, EngineConfig
+def test_8bit_kv_cache_options(scheme, kv):
+    """--kv-int8 / --kv-fp8: codes of the kind's dtype with a scale per (row, head, position); prefill and decode
+    logits near the reference's (the cache's own error on top of the scheme's); about half the fp16 cache's bytes."""
+    from kernels_cu.engine import Engine, EngineConfig, KvKind
 
     config = CONFIGS["smol-like"]
     w = checkpoint(config, scheme)
-    eng = Engine(w, EngineConfig(max_len=256, kv_int8=True))
+    eng = Engine(w, EngineConfig(max_len=256, kv=kv))
     ref = ReferenceModel(w.to("cpu", torch.float32))
     tokens = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
     want = ref.forward(tokens)
     cache = eng.new_cache(2, 64)
-    assert cache.k[0].dtype == torch.int8 and cache.k_scale[0].shape == cache.k[0].shape[:3]
+    assert cache.k[0].dtype == KvKind(kv).dtype and cache.k_scale[0].shape == cache.k[0].shape[:3]
     got = torch.cat([eng.forward(tokens[:, :32], cache)] +
                     [eng.forward(tokens[:, i:i + 1], cache) for i in range(32, 40)], 1)
     assert rel(got, want) < 5e-2
@@ -378,8 +381,9 @@ def test_one_row_quantized_in_the_gemv_loops_gives_the_same_bits(name, scheme):
     assert torch.equal(eager, outs[1])
 
 
-@pytest.mark.parametrize("scheme,kv_int8", [("fp16", False), ("int8-dynamic", False), ("awq", True)])
-def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
+@pytest.mark.parametrize("scheme,kv", [("fp16", "fp16"), ("int8-dynamic", "fp16"), ("awq", "int8"),
+                                       ("int8-dynamic", "fp8")])
+def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv):
     """Decode with RoPE and the K/V write inside the attention kernel (the default) gives the same bits as
     rope_kv followed by attention: logits and the whole KV cache."""
     from kernels_cu.engine import Engine, EngineConfig
@@ -389,13 +393,13 @@ def test_rope_in_attention_equals_the_rope_kv_kernel(scheme, kv_int8):
     tokens = torch.randint(0, config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
     logits, caches = [], []
     for fuse in (True, False):
-        steps, cache = decode_steps(Engine(w, EngineConfig(max_len=64, kv_int8=kv_int8, fuse_rope=fuse)), tokens, 7,
+        steps, cache = decode_steps(Engine(w, EngineConfig(max_len=64, kv=kv, fuse_rope=fuse)), tokens, 7,
                                     max_len=32)
         logits.append(steps)
-        caches.append([t.clone() for t in cache.k + cache.v + cache.k_scale + cache.v_scale])
+        caches.append([t.view(torch.uint8).clone() for t in cache.k + cache.v + cache.k_scale + cache.v_scale])
     assert torch.equal(logits[0], logits[1])
     for a, b in zip(*caches):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b)  # bytes: every cache dtype compares
 
 
 @pytest.mark.parametrize("name,rows", [("gqa4-d64", 3), ("smol-like", 1), ("mha-d128", 8)])

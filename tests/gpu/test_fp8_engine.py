@@ -100,12 +100,14 @@ def test_ragged_batch_equals_each_prompt_alone():
 def test_graph_replay_equals_eager_decode_and_the_plan():
     from kernels_cu.engine import Engine, EngineConfig
     from kernels_cu.engine.fp8_op import Fp8Op
+    from kernels_cu.engine.plan import StepPlan
 
     config = CONFIGS["gqa4-d64"]
     w = checkpoint(config, "fp8-static")
     graphed, eager = Engine(w, EngineConfig(max_len=128)), Engine(w, EngineConfig(max_len=128, use_graphs=False))
     assert all(isinstance(op, Fp8Op) for l in graphed.layers for op in (l.qkv, l.o, l.gate_up, l.down))
-    assert graphed.layers[0].gate_up.swiglu and not graphed.plan(1).folds_any
+    assert graphed.layers[0].gate_up.swiglu and not graphed.plan(128).folds_any  # the wgmma GEMM's rows
+    assert graphed.plan(4) == StepPlan(int8_fold=True)  # static: the chain's norms, no row maxima
     tokens = torch.randint(0, config.vocab_size, (3, 12))
     outs = [decode_steps(eng, tokens, 8)[0] for eng in (graphed, eager)]
     assert rel(outs[0], outs[1]) < 1e-3
@@ -115,21 +117,51 @@ def test_graph_replay_equals_eager_decode_and_the_plan():
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_one_row_fused_step_equals_the_unfused_kernels_bitwise(scheme):
-    """At one row the GEMVs apply the RMSNorm and quantize their input themselves (fp8_gemv_nq / _xq): five kernels a
-    layer. With tuning.fp8_xq_max_rows = 0 the norm and quantize kernels run instead: the same logits, bit for bit."""
+    """Without the deferred chain, at one row the GEMVs apply the RMSNorm and quantize their input themselves
+    (fp8_gemv_nq / _xq): five kernels a layer. With tuning.fp8_xq_max_rows = 0 the norm and quantize kernels run
+    instead: the same logits, bit for bit."""
     from kernels_cu.engine import Engine, EngineConfig
 
     config = CONFIGS["smol-like"]
-    fused = Engine(checkpoint(config, scheme), EngineConfig(max_len=128))
+    fused = Engine(checkpoint(config, scheme), EngineConfig(max_len=128)).variant(fp8_defer_max_rows=0)
     plain = fused.variant(fp8_xq_max_rows=0)
     tokens = torch.randint(0, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
     a, b = (decode_steps(eng, tokens, 12)[0] for eng in (fused, plain))
     assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("name,rows", [("smol-like", 1), ("gqa4-d64", 1), ("gqa4-d64", 3), ("smol-like", 20)])
+def test_deferred_chain_matches_reference(name, rows, scheme):
+    """Decode steps on the GEMVs run int8's deferred chain (plan.fp8_chain): the norms folded into o_proj /
+    down_proj (int8's format), the inputs of q|k|v and gate|up quantized from those partials, of o_proj and
+    down_proj (dynamic) from the maxima attention and the gate|up GEMV wrote; in the GEMVs at one row, by
+    fp8_quantize_fold beyond. Logits: the reference's to the fp8 bound, about as near it as the unchained step's (the
+    fold drops an fp16 rounding and moves the rstd into a_scale, so some codes move by one step)."""
+    from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.engine.plan import StepPlan
+
+    config = CONFIGS[name]
+    w = checkpoint(config, scheme)
+    eng, ref = Engine(w, EngineConfig(max_len=128)), ReferenceModel(w.to("cpu", torch.float32))
+    dynamic = scheme == "fp8-dynamic"
+    assert eng.plan(1) == StepPlan(int8_fold=True, defer_o=dynamic, defer_down=dynamic, row_amax=dynamic)
+    assert eng.plan(32) == StepPlan(int8_fold=True, defer_o=dynamic, defer_down=dynamic)
+    tokens = torch.randint(0, config.vocab_size, (rows, 24), generator=torch.Generator().manual_seed(7))
+    got = decode_steps(eng, tokens, 12)[0]  # [12, rows, V]
+    assert torch.isfinite(got).all()
+    want = ref.forward(tokens)[:, 12:].transpose(0, 1)  # [12, rows, V]
+    plain = decode_steps(eng.variant(fp8_defer_max_rows=0), tokens, 12)[0]
+    err_chain, err_plain = rel(got, want), rel(plain, want)
+    assert err_chain < LOGITS_REL and err_chain < 1.5 * err_plain + 5e-3, (err_chain, err_plain)
+    if rows > 1:  # the GEMVs on the codes' fp16 values (tuning.fp8_gemv_fp16_x): the same codes and products
+        values = decode_steps(eng.variant(fp8_gemv_fp16_x=True), tokens, 12)[0]
+        assert rel(values, want) < LOGITS_REL and rel(values, got) < 2e-2
+
+
 def test_kv_int8_with_fp8_linears():
     config = CONFIGS["smol-like"]
-    eng, ref = engine_and_ref(config, "fp8-dynamic", kv_int8=True)
+    eng, ref = engine_and_ref(config, "fp8-dynamic", kv="int8")
     tokens = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
     want = ref.forward(tokens)
     cache = eng.new_cache(2, 64)

@@ -1,4 +1,4 @@
-"""int8_gemm (GEMV kernel for M <= 16, torch._int_mm + dequant kernel above) against the W8A8 contract.
+"""int8_gemm (GEMV kernel for M <= 16 and for narrow outputs to tuning.int8_gemv_max_m, torch._int_mm + dequant kernel above) against the W8A8 contract.
 
 The epilogue is the same two fp32 roundings as model_zoo.quant.int8.int8_gemm_ref, so an exact int32 product
 shows as bitwise-equal fp16 outputs: every comparison here is assert_equal.
@@ -18,7 +18,7 @@ from model_zoo.errors import ConfigError  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 KN = [(576, 1536), (1536, 576), (4096, 4096), (4096, 12288), (11008, 4096), (8192, 8192)]
-MS = [1, 2, 7, 16, 17, 64, 512]
+MS = [1, 2, 7, 16, 17, 32, 33, 64, 512]
 
 
 def codes(*shape: int, seed: int) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_static_per_tensor_scale(M):
     assert_equal(y, ref, f"static M={M}")
 
 
-@pytest.mark.parametrize("M", [1, 8, 13, 16, 17, 128])
+@pytest.mark.parametrize("M", [1, 8, 13, 16, 17, 32, 128])
 def test_fused_residual(M):
     y, ref = run(M, 4096, 4096, seed=3 * M, residual=True)
     assert_equal(y, ref, f"residual M={M}")
