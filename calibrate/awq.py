@@ -11,7 +11,7 @@ This is AutoAWQ's algorithm (duo scaling, the same grids, losses and order: with
 SmolLM2-135M gets its scales and clips bit for bit) with two departures: the clip search reads every search token
 rather than 512, and round-to-nearest (s = 1) is always a scale candidate. AwqConfig can also scale v_proj ->
 o_proj under GQA (gqa_o_scaling), which AutoAWQ skips: the query heads of one KV head share the scale of its v_proj
-row. layer_input sets what the next layer is searched on.
+row. layer_input sets what the next layer is searched on (choose: per layer, calibrate.awq_choose).
 
 Cost (SmolLM2-135M layer, 4096 search tokens, fp32 CPU): ~12 s of one core's time, most of it the block
 forwards of the qkv and gate_up grids; it scales with search_tokens.

@@ -21,6 +21,9 @@ class LayerInput(str, Enum):
     FLOAT = "float"  # as they were (AutoAWQ)
     SCALED = "scaled"  # scaled and clipped, not rounded
     QUANTIZED = "quantized"  # as the checkpoint holds them: the inputs the next layer will see
+    # per layer, FLOAT or SCALED: whichever's search leaves the quantized output closer to the float model's
+    # (calibrate.awq_choose; twice the search time); measured worse than SCALED on SmolLM2 (docs/quality.md)
+    CHOOSE = "choose"
 
 
 class ClipObjective(str, Enum):
@@ -76,6 +79,7 @@ class AwqLayerResult:
     clips: dict[str, torch.Tensor] = field(default_factory=dict)  # "wv", "wo", ... -> clip max [N, K/G]
     losses: dict[str, float] = field(default_factory=dict)  # "qkv", "qkv.rtn", "clip.wv", "clip.wv.none", ...
     alphas: dict[str, float | None] = field(default_factory=dict)  # the chosen alpha; None: s = 1 won
+    chosen_input: str | None = None  # layer_input=choose: the LayerInput this layer was searched on
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ def save_awq_results(path: str | Path, layers: Sequence[AwqLayerResult], cfg: Aw
         for kind, d in (("scales", r.scales), ("clips", r.clips)):
             tensors.update({f"layers.{i}.{kind}.{n}": t.detach().cpu().float().contiguous() for n, t in d.items()})
     info = {"format": FORMAT, "version": FORMAT_VERSION, "awq": asdict(cfg), "n_layers": len(layers),
-            "layers": [{"losses": r.losses, "alphas": r.alphas} for r in layers], **(meta or {})}
+            "layers": [{"losses": r.losses, "alphas": r.alphas, "input": r.chosen_input} for r in layers],
+            **(meta or {})}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")  # cleaned if killed
     os.close(fd)
     try:
@@ -67,7 +68,8 @@ def load_awq_results(path: str | Path) -> AwqResults:
         raise CorruptCheckpointError(f"{path} is not an fllama AWQ search file (format {FORMAT} v{FORMAT_VERSION})")
     if info["version"] == 2:  # searched before the row objective existed
         info["awq"] = {**info["awq"], "clip_objective": "group"}
-    layers = [AwqLayerResult(losses=dict(d["losses"]), alphas=dict(d["alphas"])) for d in info["layers"]]
+    layers = [AwqLayerResult(losses=dict(d["losses"]), alphas=dict(d["alphas"]), chosen_input=d.get("input"))
+              for d in info["layers"]]
     for key, t in tensors.items():
         parts = key.split(".")
         if len(parts) != 4 or parts[0] != "layers" or parts[2] not in ("scales", "clips") \

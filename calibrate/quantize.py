@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from calibrate.awq import AwqConfig, LayerInput, apply_awq, check_group_size, search_layer, valid_group_sizes
+from calibrate.awq_choose import InputChooser
 from calibrate.capture import CaptureConfig, LayerwiseRunner
 from calibrate.fp8_gptq import Fp8Rounding, GptqConfig, LayerHessians, gptq_fp8
 from calibrate.fp8_scale import Fp8WeightScale, search_scale_fp8
@@ -247,23 +248,33 @@ def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor 
     check_group_size(weights.config, cfg.group_size)
     awq = replace(awq or AwqConfig(), group_size=cfg.group_size)
     n = len(weights.layers)
-    runner = None
+    runner = chooser = None
+
+    def rtn(layer: LayerWeights) -> LayerWeights:
+        return replace(layer, **{attr: AwqLinear.from_dense(lin.dense_weight().float(), cfg.group_size)
+                                 for attr, lin in layer.linears().items()})
+
     if cfg.awq_method == AwqMethod.AWQ:
         windows = windows[: -(-awq.search_tokens // windows.shape[1])]  # [n', L]: only what the search reads
         runner = LayerwiseRunner(weights, windows, capture)
+        if awq.layer_input == LayerInput.CHOOSE:
+            chooser = InputChooser(runner, LayerwiseRunner(weights, windows, capture),
+                                   LayerwiseRunner(weights, windows, capture), rtn)
     out, report = [], {"layers": []}
     if runner is not None:
         report["search_tokens"] = int(windows.numel())  # the first windows of the text; the rest are not read
     for i, layer in enumerate(weights.layers):
         original = layer
         if runner is not None:
-            result = search_layer(layer, weights.config, runner.hidden, awq)
+            result = (chooser.search(layer, awq) if chooser
+                      else search_layer(layer, weights.config, runner.hidden, awq))
             layer = apply_awq(layer, result, weights.config)
-            report["layers"].append({"alphas": result.alphas, "losses": result.losses})
-        linears = {attr: AwqLinear.from_dense(lin.dense_weight().float(), cfg.group_size)
-                   for attr, lin in layer.linears().items()}
-        out.append(replace(layer, **linears))
-        if runner is not None:  # what the next layer's search sees
+            report["layers"].append({"alphas": result.alphas, "losses": result.losses,
+                                     **({"input": result.chosen_input} if chooser else {})})
+        out.append(rtn(layer))
+        if chooser:
+            chooser.advance(original, layer, out[-1])
+        elif runner is not None:  # what the next layer's search sees
             runner.run_layer({LayerInput.FLOAT: original, LayerInput.SCALED: layer,
                               LayerInput.QUANTIZED: out[-1]}[awq.layer_input])
         if progress:
