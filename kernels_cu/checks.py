@@ -58,11 +58,11 @@ def out_or_new(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dt
     return out
 
 
-def check_static_amax(static_amax: torch.Tensor | None) -> None:
-    """A static activation range: None (dynamic per token) or one fp32 value on the device (a pointer, so a
-    captured graph keeps reading it)."""
+def check_static_amax(static_amax: torch.Tensor | None, name: str = "static_amax") -> None:
+    """A static activation range (int8's amax, fp8's scale): None (dynamic per token) or one fp32 value on the
+    device (a pointer, so a captured graph keeps reading it)."""
     if static_amax is None:
         return
-    check_tensor(static_amax, "static_amax", torch.float32, align=4)
+    check_tensor(static_amax, name, torch.float32, align=4)
     if static_amax.numel() != 1:
-        raise ValueError(f"static_amax must hold one value, got {static_amax.numel()}")
+        raise ValueError(f"{name} must hold one value, got {static_amax.numel()}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels_cu import build
-from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.gemm_shapes import cdiv
 from kernels_cu.quantize import check_fold_inputs
 from model_zoo.errors import DeviceError
@@ -42,13 +42,8 @@ def require_fp8(device_index: int) -> None:
 
 
 def check_static_scale(static_scale: torch.Tensor | None) -> None:
-    """A static activation scale: None (dynamic per token) or one fp32 value on the device (a pointer, so a
-    captured graph keeps reading it)."""
-    if static_scale is None:
-        return
-    check_tensor(static_scale, "static_scale", torch.float32, align=4)
-    if static_scale.numel() != 1:
-        raise ValueError(f"static_scale must hold one value, got {static_scale.numel()}")
+    """A static activation scale: None (dynamic per token) or one fp32 value on the device."""
+    check_static_amax(static_scale, "static_scale")
 
 
 def fp8_quantize_ref(x: torch.Tensor, static_scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor,

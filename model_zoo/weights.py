@@ -34,7 +34,7 @@ LinearFactory = Callable[[str, Mapping[str, torch.Tensor]], Linear]
 
 
 def dense_factory(prefix: str, sd: Mapping[str, torch.Tensor]) -> Linear:
-    return DenseLinear(_get(sd, prefix + ".weight"))
+    return DenseLinear(get_tensor(sd, prefix + ".weight"))
 
 
 @dataclass
@@ -98,14 +98,14 @@ class ModelWeights:
         for i in range(config.n_layers):
             p = f"model.layers.{i}."
             linears = {attr: linear_factory(p + path, sd) for attr, path in LINEAR_NAMES}
-            layers.append(LayerWeights(attn_norm=_get(sd, p + "input_layernorm.weight"),
-                                       ffn_norm=_get(sd, p + "post_attention_layernorm.weight"), **linears))
-        embed = _get(sd, "model.embed_tokens.weight")
+            layers.append(LayerWeights(attn_norm=get_tensor(sd, p + "input_layernorm.weight"),
+                                       ffn_norm=get_tensor(sd, p + "post_attention_layernorm.weight"), **linears))
+        embed = get_tensor(sd, "model.embed_tokens.weight")
         if config.tie_embeddings:
             lm_head = embed
         else:
-            lm_head = _get(sd, "lm_head.weight")
-        w = cls(config=config, embed=embed, layers=layers, norm=_get(sd, "model.norm.weight"), lm_head=lm_head,
+            lm_head = get_tensor(sd, "lm_head.weight")
+        w = cls(config=config, embed=embed, layers=layers, norm=get_tensor(sd, "model.norm.weight"), lm_head=lm_head,
                 meta=dict(meta or {}))
         w.check_shapes()
         return w
@@ -175,7 +175,8 @@ def random_state_dict(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = t
     return sd
 
 
-def _get(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+def get_tensor(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """sd[name], or one line naming the missing tensor (every checkpoint reader goes through it)."""
     try:
         return sd[name]
     except KeyError:

@@ -26,13 +26,13 @@ from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear
                                  pack_for_gemv)
 from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu, w8a16_linear
 from kernels_cu.int8_gemm import int8_gemm
+from model_zoo.config import LlamaConfig
 
 SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
 
 
 def model_shapes(name: str) -> list[tuple[str, int, int]]:
     """A preset's decode linears as (name, K, N), fused as the engine runs them."""
-    from model_zoo.config import LlamaConfig
     c = LlamaConfig.from_name(name)
     h = c.hidden_size
     return [("qkv", h, c.q_size + 2 * c.n_kv_heads * c.head_dim), ("o", c.q_size, h),
@@ -368,7 +368,6 @@ def main(argv: list[str] | None = None) -> None:
                 for s in filter(None, args.awq_splits.split(",")):
                     rows.append(bench_awq(m, k, n, bw, splits=int(s)))
     if "head" in only:  # the lm_head: vocabulary x hidden
-        from model_zoo.config import LlamaConfig
         c = LlamaConfig.from_name(args.model)
         v, h = c.vocab_size, c.hidden_size
         rows += [r for m in ms for r in (bench_fp16(m, h, v, bw), bench_w8a16(m, h, v, bw))]

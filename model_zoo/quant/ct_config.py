@@ -20,6 +20,7 @@ import torch
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.linear import DenseLinear, Linear
 from model_zoo.quant.int8 import ActQuant
+from model_zoo.weights import get_tensor
 
 
 class NumType(str, Enum):
@@ -170,16 +171,19 @@ def ct_quantization_config(num_type: NumType, static: bool, weight_strategy: str
 
 # --- the checks every stored tensor goes through ----------------------------------------------------------------
 
-def get_tensor(sd: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    try:
-        return sd[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"checkpoint lacks the tensor {name!r}") from None
-
-
 def check_positive(name: str, t: torch.Tensor) -> None:
     if not bool(torch.isfinite(t.float()).all()) or bool((t.float() <= 0).any()):
         raise CorruptCheckpointError(f"{name} holds non-positive or non-finite scales")
+
+
+def static_input_scale(prefix: str, sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A static layer's per-tensor input_scale, checked (one positive finite float), as an fp32 scalar."""
+    input_scale = get_tensor(sd, prefix + ".input_scale")
+    if not input_scale.is_floating_point() or input_scale.numel() != 1:
+        raise CorruptCheckpointError(f"{prefix}.input_scale must be one float (per-tensor static), "
+                                     f"got {input_scale.dtype} {tuple(input_scale.shape)}")
+    check_positive(prefix + ".input_scale", input_scale)
+    return input_scale.float().reshape(())
 
 
 def dense_linear(prefix: str, sd: Mapping[str, torch.Tensor]) -> Linear:

@@ -21,7 +21,7 @@ from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.linear import Linear
 from model_zoo.quant.ct_config import (CtLayout, NumType, check_positive, ct_quantization_config, dense_linear,
-                                       get_tensor, parse_ct_layout, zero_point_is_zero)
+                                       get_tensor, parse_ct_layout, static_input_scale, zero_point_is_zero)
 from model_zoo.quant.fp8_format import (FP8_METHOD, describe_fp8, export_tensors_fp8, fp8_factory,
                                         fp8_quantization_config, parse_native_fp8)
 from model_zoo.quant.gptq import describe_gptq, gptq_linear, parse_gptq_layout
@@ -148,12 +148,7 @@ def _int8_linear(prefix: str, sd: Mapping[str, torch.Tensor], act: ActQuant | No
     zero_point_is_zero(prefix, sd)
     a_amax = None
     if act is ActQuant.STATIC:
-        input_scale = get_tensor(sd, prefix + ".input_scale")
-        if not input_scale.is_floating_point() or input_scale.numel() != 1:
-            raise CorruptCheckpointError(f"{prefix}.input_scale must be one float (per-tensor static), "
-                                         f"got {input_scale.dtype} {tuple(input_scale.shape)}")
-        check_positive(prefix + ".input_scale", input_scale)
-        a_amax = float(input_scale.float().reshape(()) * QMAX)  # amax in fp32, fllama's static parameter
+        a_amax = float(static_input_scale(prefix, sd) * QMAX)  # amax in fp32, fllama's static parameter
     return Int8Linear(weight, scale.float().reshape(n), act, a_amax, dtype=scale.dtype)
 
 

@@ -18,7 +18,7 @@ import torch
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.linear import Linear
 from model_zoo.quant.ct_config import (CtLayout, NumType, check_positive, ct_quantization_config, dense_linear,
-                                       get_tensor, parse_ct_layout, zero_point_is_zero)
+                                       get_tensor, parse_ct_layout, static_input_scale, zero_point_is_zero)
 from model_zoo.quant.fp8 import FP8_DTYPE
 from model_zoo.quant.int8 import ActQuant
 from model_zoo.quant.linear import Fp8Linear
@@ -103,12 +103,7 @@ def fp8_linear(prefix: str, sd: Mapping[str, torch.Tensor], act: ActQuant | None
     zero_point_is_zero(prefix, sd)
     a_scale = None
     if act is ActQuant.STATIC:
-        input_scale = get_tensor(sd, prefix + ".input_scale")
-        if not input_scale.is_floating_point() or input_scale.numel() != 1:
-            raise CorruptCheckpointError(f"{prefix}.input_scale must be one float (per-tensor static), "
-                                         f"got {input_scale.dtype} {tuple(input_scale.shape)}")
-        check_positive(prefix + ".input_scale", input_scale)
-        a_scale = float(input_scale.float().reshape(()))
+        a_scale = float(static_input_scale(prefix, sd))
     dtype = scale.dtype if scale.dtype in (torch.float16, torch.bfloat16) else torch.float16
     return Fp8Linear(weight, scale.float().reshape(-1), act, a_scale, dtype=dtype)
 
