@@ -16,6 +16,9 @@ class CalibMethod(str, Enum):
     PERCENTILE = "percentile"  # clip the top (100 - p)% of |x|
     MSE = "mse"  # minimise the fake-quantization MSE over the histogram
     ENTROPY = "entropy"  # minimise KL(P || Q) between the histogram and its 128-level version (TensorRT)
+    # fp8 static only, at quantize time: per capture point, the candidate range (the four above and a grid) whose
+    # rounding moves that point's linears' outputs least, their weights quantized (calibrate/fp8_act_range.py)
+    OUTPUT = "output"
 
     @classmethod
     def parse(cls, name: str | "CalibMethod") -> "CalibMethod":
@@ -28,7 +31,8 @@ class CalibMethod(str, Enum):
             raise ConfigError(f"unknown calibration method {name!r}; methods: {choices}, all") from None
 
 
-ALL_METHODS: tuple[CalibMethod, ...] = tuple(CalibMethod)
+# the methods that read a histogram alone: what `fllama calibrate` reports and `--method all` means
+ALL_METHODS: tuple[CalibMethod, ...] = (CalibMethod.MAX, CalibMethod.PERCENTILE, CalibMethod.MSE, CalibMethod.ENTROPY)
 
 
 class QuantGrid(str, Enum):
@@ -52,6 +56,9 @@ class CalibConfig:
     def __post_init__(self) -> None:
         if self.method is not None:
             object.__setattr__(self, "method", CalibMethod.parse(self.method))
+        if self.method is CalibMethod.OUTPUT:
+            raise ConfigError("the output calibrator needs the quantized weights: it is chosen by `fllama quantize "
+                              "--act static --calibrator output`, from the stats any --method collects")
         if not (0.0 < float(self.percentile) <= 100.0):
             raise ConfigError(f"invalid percentile {self.percentile}: it must be in (0, 100]")
         if int(self.bins) != self.bins or self.bins < 128:

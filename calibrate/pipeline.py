@@ -15,7 +15,7 @@ from calibrate.capture import CaptureConfig, capture_stats
 from calibrate.export import checkpoint_bytes, write_checkpoint
 from calibrate.methods import CalibConfig
 from calibrate.outputs import OutputKind, check_free_space, prepare_output
-from calibrate.quantize import (AwqMethod, QuantConfig, quantization_config_for, quantize_awq, quantize_fp8,
+from calibrate.quantize import (QuantConfig, awq_gptq_notes, quantization_config_for, quantize_awq, quantize_fp8,
                                 quantize_int8)
 from calibrate.stats import CalibStats, PointStats, fllama_version
 from model_zoo.backend import check_token_ids
@@ -125,7 +125,8 @@ class QuantizeJob:
         given = [f"--{n.replace('_', '-')}" for n in ("data", "samples", "seq_len") if getattr(self, n) is not None]
         if given and not self.quant.reads_text:
             raise ConfigError(f"{', '.join(given)}: no calibration text is read here (only the AWQ search, fp8's "
-                              "GPTQ rounding or scale search, and --act static with --smooth run the model on text)")
+                              "GPTQ rounding, scale search and --calibrator output, and --act static with --smooth "
+                              "run the model on text)")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def run_quantize(job: QuantizeJob, progress: QuantizeProgress | None = None,
     seq_len = _given(job.seq_len, sm.get("seq_len", min(512, loaded.config.max_positions)))
     data = DataConfig(source=_given(job.data, sm.get("source", "gutenberg:history")),
                       samples=_given(job.samples, sm.get("samples", 128)), seq_len=seq_len)
+    _notify(note, awq_gptq_notes(quant, data.samples * seq_len))
     dev = torch_device(job.device)
     cap = capture_config(job.batch, dev)
     weights = build_weights(loaded, torch.float32, "cpu")
@@ -179,11 +181,11 @@ def _quantize(job: QuantizeJob, weights: ModelWeights, loaded: Any, stats: Calib
     if cfg.scheme == Scheme.INT8:
         return quantize_int8(weights, cfg, stats, _recapturer(loaded, data, stats, cap, progress), layers_done), {}
     if cfg.scheme == Scheme.FP8:
-        windows = _windows(loaded, data) if cfg.fp8_reads_inputs else None  # [samples, seq_len]
+        windows = _windows(loaded, data) if cfg.fp8_reads_inputs or cfg.output_ranges else None  # [samples, seq_len]
         recapture = _recapturer(loaded, data, stats, cap, progress)
         return quantize_fp8(weights, cfg, stats, recapture, layers_done, windows, cap), {}
     if cfg.scheme == Scheme.AWQ:
-        windows = _windows(loaded, data) if cfg.awq_method == AwqMethod.AWQ else None  # [samples, seq_len]
+        windows = _windows(loaded, data) if cfg.reads_text else None  # [samples, seq_len]
         return quantize_awq(weights, cfg, windows, cap, progress=layers_done)
     return weights, {}
 

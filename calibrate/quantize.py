@@ -12,8 +12,11 @@ import torch
 from calibrate.awq import AwqConfig, LayerInput, apply_awq, check_group_size, search_layer, valid_group_sizes
 from calibrate.awq_choose import InputChooser
 from calibrate.capture import CaptureConfig, LayerwiseRunner
-from calibrate.fp8_gptq import Fp8Rounding, GptqConfig, LayerHessians, gptq_fp8
+from calibrate.awq_gptq import gptq_awq
+from calibrate.fp8_gptq import gptq_fp8
+from calibrate.fp8_act_range import OutputRanges, QuantizedLinear
 from calibrate.fp8_scale import Fp8WeightScale, search_scale_fp8
+from calibrate.gptq_round import GptqConfig, LayerHessians, Rounding
 from calibrate.methods import CalibConfig, CalibMethod, QuantGrid
 from calibrate.ranges import compute_amax, scale_from_amax
 from calibrate.smoothquant import apply_smoothing
@@ -42,8 +45,13 @@ W8A8 = (Scheme.INT8, Scheme.FP8)  # the schemes with activation quantization (st
 # entropy come within a point of each other and max (no clipping, llm-compressor's FP8 observer) has the lowest KL
 DEFAULT_CALIBRATOR = {Scheme.INT8: CalibMethod.MSE, Scheme.FP8: CalibMethod.MAX}
 # fp8 weights without --rounding / --weight-scale (docs/quality.md): GPTQ on e4m3's grid, scales searched
-DEFAULT_FP8_ROUNDING = Fp8Rounding.GPTQ
+DEFAULT_FP8_ROUNDING = Rounding.GPTQ
 DEFAULT_FP8_WEIGHT_SCALE = Fp8WeightScale.SEARCH
+# awq weights without --rounding (docs/quality.md): GPTQ at the grid the search fixed; --method rtn is nearest
+DEFAULT_AWQ_ROUNDING = Rounding.GPTQ
+# int4's GPTQ reads 8x the search's text, with 10x fp8's damping: on the search's 4,096 tokens alone down_proj's
+# [1536, 1536] Hessian fits that text and perplexity rises (docs/quality.md)
+AWQ_GPTQ = GptqConfig(damp=0.1, tokens=32768)
 
 # AWQ group sizes the kernels are built for, largest (smallest file) first: the default is the first that fits
 AWQ_GROUP_SIZES = (128, 64, 32)
@@ -61,7 +69,7 @@ class QuantConfig:
     smooth: float | None = None  # SmoothQuant alpha
     group_size: int | None = None  # awq: the largest of AWQ_GROUP_SIZES that fits the model (with_group_size)
     awq_method: AwqMethod | None = None  # awq: the search
-    rounding: Fp8Rounding | None = None  # fp8: how weights take e4m3 values (DEFAULT_FP8_ROUNDING)
+    rounding: Rounding | None = None  # fp8 and awq: how weights take grid values (DEFAULT_FP8/AWQ_ROUNDING)
     weight_scale: Fp8WeightScale | None = None  # fp8: each channel's scale (DEFAULT_FP8_WEIGHT_SCALE)
 
     def __post_init__(self) -> None:
@@ -73,14 +81,20 @@ class QuantConfig:
         if self.calibrator is not None and not static:
             raise ConfigError("--calibrator chooses the ranges of --act static; it does nothing without it")
         calibrator = self.calibrator or (DEFAULT_CALIBRATOR[self.scheme] if static else None)
+        if calibrator == CalibMethod.OUTPUT and self.scheme != Scheme.FP8:
+            raise ConfigError("--calibrator output applies to --scheme fp8 (it judges e4m3's rounding at the "
+                              "linears' outputs); int8 takes max, percentile, mse or entropy")
         if self.percentile is not None and calibrator != CalibMethod.PERCENTILE:
             raise ConfigError("--percentile applies to --act static --calibrator percentile only")
         if not awq and (self.group_size is not None or self.awq_method is not None):
             raise ConfigError(f"--{'group-size' if self.group_size is not None else 'method'} applies to "
                               f"--scheme awq only, not {self.scheme.value}")
-        for name, value in (("rounding", self.rounding), ("weight-scale", self.weight_scale)):
-            if value is not None and self.scheme != Scheme.FP8:
-                raise ConfigError(f"--{name} applies to --scheme fp8 only, not {self.scheme.value}")
+        if self.rounding is not None and self.scheme not in (Scheme.FP8, Scheme.AWQ):
+            raise ConfigError(f"--rounding applies to --scheme fp8 and awq only, not {self.scheme.value}")
+        if self.weight_scale is not None and self.scheme != Scheme.FP8:
+            raise ConfigError(f"--weight-scale applies to --scheme fp8 only, not {self.scheme.value}")
+        if self.awq_method == AwqMethod.RTN and self.rounding == Rounding.GPTQ:
+            raise ConfigError("--method rtn is round-to-nearest; --rounding gptq needs --method awq")
         if self.group_size is not None and self.group_size < 1:
             raise ConfigError(f"--group-size must be positive, got {self.group_size}")
         object.__setattr__(self, "calibrator", calibrator)
@@ -88,6 +102,9 @@ class QuantConfig:
             object.__setattr__(self, "percentile", 99.99)
         if awq and self.awq_method is None:
             object.__setattr__(self, "awq_method", AwqMethod.AWQ)
+        if awq and self.rounding is None:
+            object.__setattr__(self, "rounding", DEFAULT_AWQ_ROUNDING if self.awq_method == AwqMethod.AWQ
+                               else Rounding.NEAREST)
         if self.scheme == Scheme.FP8:
             object.__setattr__(self, "rounding", self.rounding or DEFAULT_FP8_ROUNDING)
             object.__setattr__(self, "weight_scale", self.weight_scale or DEFAULT_FP8_WEIGHT_SCALE)
@@ -115,12 +132,18 @@ class QuantConfig:
         """Whether quantizing runs the model on calibration text: the AWQ search, fp8's GPTQ rounding or scale
         search, or the re-capture of static ranges after SmoothQuant."""
         return ((self.scheme == Scheme.AWQ and self.awq_method == AwqMethod.AWQ) or self.fp8_reads_inputs
-                or (self.smooth is not None and self.act == ActQuant.STATIC))
+                or self.output_ranges or (self.smooth is not None and self.act == ActQuant.STATIC))
+
+    @property
+    def output_ranges(self) -> bool:
+        """Whether static ranges are chosen at the linears' outputs (calibrate/fp8_act_range.py)."""
+        return self.act == ActQuant.STATIC and self.calibrator == CalibMethod.OUTPUT
 
     @property
     def fp8_reads_inputs(self) -> bool:
         """Whether fp8 weights are chosen from the calibration inputs (their Hessians)."""
-        return self.rounding == Fp8Rounding.GPTQ or self.weight_scale == Fp8WeightScale.SEARCH
+        return self.scheme == Scheme.FP8 and (self.rounding == Rounding.GPTQ
+                                              or self.weight_scale == Fp8WeightScale.SEARCH)
 
     def describe(self) -> dict:
         d = {"scheme": self.scheme.value}
@@ -132,7 +155,8 @@ class QuantConfig:
             if self.scheme == Scheme.FP8:
                 d.update(rounding=self.rounding.value, weight_scale=self.weight_scale.value)
         elif self.scheme == Scheme.AWQ:
-            d.update(group_size=self.group_size, zero_point=True, method=self.awq_method.value)
+            d.update(group_size=self.group_size, zero_point=True, method=self.awq_method.value,
+                     rounding=self.rounding.value)
         return d
 
 
@@ -161,26 +185,32 @@ def quantize_fp8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | No
                  windows: torch.Tensor | None = None, capture: CaptureConfig = CaptureConfig()) -> ModelWeights:
     """FP8 E4M3 W8A8: optional SmoothQuant, per-channel e4m3 weights (fp32 scales, amax / 448 or searched:
     cfg.weight_scale) rounded to nearest or by GPTQ (cfg.rounding), both judged on the calibration `windows`
-    [n, L]; per-token or static activations whose ranges the calibrator judges on e4m3's grid; input_scale =
-    amax / 448 in fp32."""
+    [n, L]; per-token or static activations whose ranges the calibrator judges on e4m3's grid (`output`: at the
+    outputs of the quantized linears, calibrate/fp8_act_range.py); input_scale = amax / 448 in fp32."""
     def a_scale(amax: float | None) -> float | None:
         return None if amax is None else float(scale_from_amax(torch.tensor(amax), QuantGrid.FP8))
 
-    if not cfg.fp8_reads_inputs:
+    if not cfg.fp8_reads_inputs and not cfg.output_ranges:
         make = _per_linear(lambda w, amax: Fp8Linear.from_dense(w, cfg.act, a_scale(amax)))
         return _quantize_w8a8(weights, cfg, stats, recapture, progress, make, QuantGrid.FP8)
     if windows is None:
-        raise ConfigError("fp8 GPTQ rounding and scale search need calibration windows")
-    inputs = LayerHessians(weights, windows, capture)
+        raise ConfigError("fp8 GPTQ rounding, scale search and --calibrator output need calibration windows")
+    inputs = LayerHessians(weights, windows, capture) if cfg.fp8_reads_inputs else None
+    ranges = OutputRanges(weights, windows, capture) if cfg.output_ranges else None
 
-    def fp8_layer(i: int, layer: LayerWeights, amax: dict[str, float]) -> dict[str, Fp8Linear]:
-        hessians = inputs.hessians(layer)  # this layer's inputs, the layers before it quantized
-        linears = {}
-        for attr, lin in layer.linears().items():
-            w, h = lin.dense_weight().float(), hessians[POINT_OF[attr]]  # [N, K], [K, K]
-            w8, w_scale = _fp8_weight(w, h, cfg, inputs.cfg)
-            linears[attr] = Fp8Linear(w8, w_scale, cfg.act, a_scale(amax.get(POINT_OF[attr])), dtype=w.dtype)
-        inputs.advance(replace(layer, **linears))
+    def fp8_layer(i: int, layer: LayerWeights, amax: dict) -> dict[str, Fp8Linear]:
+        hessians = inputs.hessians(layer) if inputs else {}  # this layer's inputs, the layers before it quantized
+        dense = {attr: lin.dense_weight().float() for attr, lin in layer.linears().items()}  # [N, K] each
+        codes = {attr: _fp8_weight(w, hessians.get(POINT_OF[attr]), cfg, inputs.cfg if inputs else GptqConfig())
+                 for attr, w in dense.items()}
+        if ranges:  # amax: each point's calibrator ranges, the candidates
+            readers = {k: [QuantizedLinear(dense[a], *codes[a]) for a in dense if POINT_OF[a] == k] for k in amax}
+            amax = ranges.choose(layer, readers, amax)
+        linears = {attr: Fp8Linear(w8, w_scale, cfg.act, a_scale(amax.get(POINT_OF[attr])), dtype=dense[attr].dtype)
+                   for attr, (w8, w_scale) in codes.items()}
+        for moving in (inputs, ranges):
+            if moving:
+                moving.advance(replace(layer, **linears))
         return linears
 
     return _quantize_w8a8(weights, cfg, stats, recapture, progress, fp8_layer, QuantGrid.FP8)
@@ -189,7 +219,7 @@ def quantize_fp8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | No
 def _fp8_weight(w: torch.Tensor, h: torch.Tensor, cfg: QuantConfig, gptq: GptqConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [N, K], fp32 scale [N]) of W [N, K] by cfg's scale and rounding, H [K, K] its inputs'."""
     scale = search_scale_fp8(w, h) if cfg.weight_scale == Fp8WeightScale.SEARCH else quantize_weight_fp8(w)[1]
-    if cfg.rounding == Fp8Rounding.GPTQ:
+    if cfg.rounding == Rounding.GPTQ:
         return gptq_fp8(w, h, gptq, scale)
     return to_e4m3(w / scale[:, None]), scale  # [N, K]: the fp32 division of quantize_weight_fp8
 
@@ -223,15 +253,17 @@ def _quantize_w8a8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | 
         points = recapture(smoothed) if cfg.smooth is not None else stats.points
     calib = None
     if points is not None:  # the percentile is set only for the percentile calibrator
-        calib = CalibConfig(method=cfg.calibrator, **({} if cfg.percentile is None else {"percentile": cfg.percentile}))
+        method = None if cfg.output_ranges else cfg.calibrator  # output: every histogram method's, the candidates
+        calib = CalibConfig(method=method, **({} if cfg.percentile is None else {"percentile": cfg.percentile}))
     out = []
     for i, layer in enumerate(layers):
         amax = {}
         if points is not None:
             for kind in ("qkv", "o", "gate_up", "down"):
                 p = points[f"layers.{i}.{kind}"]
-                amax[kind] = (p.amax if cfg.calibrator == CalibMethod.MAX
-                              else compute_amax(cfg.calibrator, p.hist, p.edges, calib, grid))
+                ranges = {m: p.amax if m == CalibMethod.MAX else compute_amax(m, p.hist, p.edges, calib, grid)
+                          for m in (calib.methods if cfg.output_ranges else (cfg.calibrator,))}
+                amax[kind] = {m.value: a for m, a in ranges.items()} if cfg.output_ranges else ranges[cfg.calibrator]
         out.append(replace(layer, **quantize_layer(i, layer, amax)))
         if progress:
             progress("quantize", i, n)
@@ -239,22 +271,26 @@ def _quantize_w8a8(weights: ModelWeights, cfg: QuantConfig, stats: CalibStats | 
 
 
 def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor | None, capture: CaptureConfig,
-                 awq: AwqConfig | None = None, progress: StageProgress | None = None) -> tuple[ModelWeights, dict]:
-    """AWQ int4: per layer, search scales and clips on that layer's real inputs, fold them, quantize
-    round-to-nearest per group, and feed the next layer's search with this layer's output (awq.layer_input
-    says with which of its weights). RTN skips the search. Returns the weights and a report of the search
-    losses."""
+                 awq: AwqConfig | None = None, progress: StageProgress | None = None,
+                 gptq: GptqConfig = AWQ_GPTQ) -> tuple[ModelWeights, dict]:
+    """AWQ int4: per layer, search scales and clips on that layer's real inputs, fold them, round each group
+    to nearest or by GPTQ at the grid they fix (cfg.rounding; its Hessians from the first windows, the layers
+    before quantized; it aims at the weights before clipping), and feed the next layer's search with this layer's
+    output (awq.layer_input says with which of its weights). RTN skips the search. Returns the weights and a
+    report of the search losses."""
     cfg, _ = cfg.with_group_size(weights.config)
     check_group_size(weights.config, cfg.group_size)
     awq = replace(awq or AwqConfig(), group_size=cfg.group_size)
     n = len(weights.layers)
-    runner = chooser = None
+    runner = chooser = hessians = None
 
     def rtn(layer: LayerWeights) -> LayerWeights:
         return replace(layer, **{attr: AwqLinear.from_dense(lin.dense_weight().float(), cfg.group_size)
                                  for attr, lin in layer.linears().items()})
 
     if cfg.awq_method == AwqMethod.AWQ:
+        if cfg.rounding == Rounding.GPTQ:
+            hessians = LayerHessians(weights, windows, capture, gptq)
         windows = windows[: -(-awq.search_tokens // windows.shape[1])]  # [n', L]: only what the search reads
         runner = LayerwiseRunner(weights, windows, capture)
         if awq.layer_input == LayerInput.CHOOSE:
@@ -263,6 +299,8 @@ def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor 
     out, report = [], {"layers": []}
     if runner is not None:
         report["search_tokens"] = int(windows.numel())  # the first windows of the text; the rest are not read
+    if hessians is not None:
+        report["gptq_tokens"] = hessians.tokens
     for i, layer in enumerate(weights.layers):
         original = layer
         if runner is not None:
@@ -271,7 +309,11 @@ def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor 
             layer = apply_awq(layer, result, weights.config)
             report["layers"].append({"alphas": result.alphas, "losses": result.losses,
                                      **({"input": result.chosen_input} if chooser else {})})
-        out.append(rtn(layer))
+        if hessians is None:
+            out.append(rtn(layer))
+        else:  # GPTQ aims at the scaled weights before clipping: the clips set the grids only
+            target = apply_awq(original, replace(result, clips={}), weights.config)
+            out.append(_gptq_layer(layer, target, result.clips, hessians, cfg.group_size))
         if chooser:
             chooser.advance(original, layer, out[-1])
         elif runner is not None:  # what the next layer's search sees
@@ -280,6 +322,27 @@ def quantize_awq(weights: ModelWeights, cfg: QuantConfig, windows: torch.Tensor 
         if progress:
             progress("awq" if runner is not None else "rtn", i, n)
     return replace(weights, layers=out, meta={**weights.meta, "scheme": "awq"}), report
+
+
+def awq_gptq_notes(cfg: QuantConfig, tokens: int) -> list[str]:
+    """A line when AWQ's GPTQ rounding would read less text than it was measured to need, else none."""
+    if cfg.scheme != Scheme.AWQ or cfg.rounding != Rounding.GPTQ or tokens >= AWQ_GPTQ.tokens:
+        return []
+    return [f"GPTQ rounding reads {tokens:,} tokens of text here; on SmolLM2 it needed about {AWQ_GPTQ.tokens:,} to "
+            f"beat nearest rounding (docs/quality.md): give more --samples, or --rounding nearest"]
+
+
+def _gptq_layer(layer: LayerWeights, target: LayerWeights, clips: dict[str, torch.Tensor], inputs: LayerHessians,
+                group_size: int) -> LayerWeights:
+    """`layer` scaled and clipped, whose inputs make the Hessians, rounded by GPTQ toward `target`'s linears (the
+    same scales, unclipped) on the grids `clips` set, so what clipping cuts is compensated like a rounding error;
+    the inputs move on past it."""
+    h = inputs.hessians(layer)  # capture point -> [K, K]
+    quantized = replace(layer, **{attr: gptq_awq(lin.dense_weight().float(), h[POINT_OF[attr]], group_size,
+                                                 clips.get(attr), inputs.cfg)
+                                  for attr, lin in target.linears().items()})
+    inputs.advance(quantized)
+    return quantized
 
 
 def quantization_config_for(cfg: QuantConfig) -> dict | None:

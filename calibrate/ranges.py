@@ -191,6 +191,9 @@ def compute_amax(method: CalibMethod | str, hist: ArrayLike, edges: ArrayLike, c
         return amax_percentile(hist, edges, cfg.percentile)
     if method is CalibMethod.MSE:
         return amax_mse(hist, edges, cfg.start_bin, cfg.stride, cfg.num_bits, grid)
+    if method is CalibMethod.OUTPUT:
+        raise ConfigError("the output calibrator reads the quantized model, not a histogram "
+                          "(calibrate/fp8_act_range.py)")
     return amax_entropy(hist, edges, cfg.start_bin, cfg.stride, cfg.num_bits, grid)
 
 

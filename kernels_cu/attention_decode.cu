@@ -344,8 +344,8 @@ constexpr int CLUSTER_MAX = 16;  // blocks per cluster (non-portable above 8; H1
 // A float in block `rank`'s shared memory at the address `p` has in this block's (same kernel, same layout).
 __device__ __forceinline__ float ld_cluster(const float* p, int rank) {
     const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    float v = 0.0f;
+    FLLAMA_CLUSTER_ASM("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
 

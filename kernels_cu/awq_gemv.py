@@ -111,8 +111,8 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
 def gemv_warps(panels: int, sms: int, rows: int = 1) -> int:
     """Warps per panel (8, 2, 1 or 4) of a GEMV of `rows` <= 8 rows (groups of 128) over `panels` 16-channel panels
     on a GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM, 2-warp blocks only where that
-    wave holds awq_two_warp_min_warps warps a SM, 1-warp blocks only from awq_one_warp_min_rows rows, then
-    awq_wide_waves (tuning.py)."""
+    wave holds awq_two_warp_min_warps warps a SM, 1-warp blocks only from awq_one_warp_min_rows rows, 4-warp blocks
+    where their grid is one wave (awq_four_warp_one_wave), then awq_wide_waves (tuning.py)."""
     t = tuning.current()
     if panels <= 2 * sms:
         return 8
@@ -120,6 +120,8 @@ def gemv_warps(panels: int, sms: int, rows: int = 1) -> int:
         return 2
     if rows >= t.awq_one_warp_min_rows and 8 * sms < panels <= 16 * sms:
         return 1
+    if t.awq_four_warp_one_wave and panels <= 4 * sms:
+        return 4
     return 8 if panels <= t.awq_wide_waves * 4 * sms else 4
 
 

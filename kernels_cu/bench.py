@@ -128,7 +128,7 @@ def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: i
 
     def prefill(graph: bool = True) -> None:
         cache.lengths.zero_()
-        logits = engine.forward(prompts, cache, prefill_graph=graph)  # [B, P, V]
+        logits = engine.forward(prompts, cache, prefill_graph=graph, last=True)  # [B, 1, V], as generation asks
         sampler.sample(logits[:, -1], rows)
 
     # warm-up: kernel builds, cuBLAS heuristics and handles, allocator pools (one was noisy); a short prefill's

@@ -229,32 +229,38 @@ __device__ __forceinline__ void pdl_enter() {
 
 // Thread-block clusters (sm_90): the cluster's barrier, every thread of every block (release: this block's
 // shared-memory writes are visible to the cluster after it; acquire: the others' are visible here), and the
-// address in block `rank`'s shared memory that `local` has in this block (same kernel, same layout).
+// address in block `rank`'s shared memory that `local` has in this block (same kernel, same layout). Below sm_90 they
+// compile to a trap: the launchers take the cluster entries only where the GPU has clusters.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FLLAMA_CLUSTER_ASM(...) __trap()
+#else
+#define FLLAMA_CLUSTER_ASM(...) asm volatile(__VA_ARGS__)
+#endif
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+    FLLAMA_CLUSTER_ASM("barrier.cluster.arrive.release;\n" ::: "memory");
+    FLLAMA_CLUSTER_ASM("barrier.cluster.wait.acquire;\n" ::: "memory");
 }
 __device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    uint32_t remote = 0;
+    FLLAMA_CLUSTER_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
     return remote;
 }
 // The two halves of cluster_sync, for a barrier phase that only says "every block has started" (relaxed: it orders
 // no memory) or whose waiters are a subset of the cluster. The wait counts only threads that have not exited
 // (PTX ISA, barrier.cluster), so a block may arrive and exit, or exit without arriving.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+    FLLAMA_CLUSTER_ASM("barrier.cluster.arrive.relaxed;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_arrive_release() {
-    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    FLLAMA_CLUSTER_ASM("barrier.cluster.arrive.release;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait_acquire() {
-    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+    FLLAMA_CLUSTER_ASM("barrier.cluster.wait.acquire;\n" ::: "memory");
 }
 // A float into block `rank`'s shared memory at the address `p` has in this block.
 __device__ __forceinline__ void st_cluster(float* p, int rank, float v) {
     const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
+    FLLAMA_CLUSTER_ASM("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
 }
 
 }  // namespace fllama

@@ -1,7 +1,7 @@
 // The deferred quantization of one decode row, shared by the int8 and fp8 GEMVs (int8_gemm.cu, fp8_gemm.cu): the
 // pieces that find a row's scales from what the kernel before wrote, and the epilogue pieces that write them for the
-// kernel after. A Rule turns a max (or a static value) into (inv, scale): Int8Rule here (quantize.cu's), Fp8Rule in
-// fp8_common.cuh.
+// kernel after. A Rule turns a max (or a static value) into (inv, scale) and stores codes: Int8Rule here
+// (quantize.cu's), Fp8Rule in fp8_common.cuh; the row kernels of rmsnorm.cuh and silu_mul.cuh take them too.
 //
 //   XqRowHook   the row's max from C partial maxima (attention's units) or the row max itself (the SwiGLU GEMV's
 //               atomic max), or a static value: no read of the row, no barrier
@@ -23,6 +23,10 @@ struct Int8Rule {
     __device__ __forceinline__ static void fold(float amax, float sum, bool has_norm, const float* static_v, int K,
                                                 float eps, float& inv, float& scale) {
         fold_scales(amax, sum, has_norm, static_v, K, eps, inv, scale);
+    }
+    // eight fp16 values' codes by inv, stored at p (8-byte aligned): the row kernels' (rmsnorm.cuh, silu_mul.cuh)
+    __device__ __forceinline__ static void store8(uint8_t* p, const Half8& v, float inv) {
+        quantize_store8(reinterpret_cast<int8_t*>(p), v, inv);
     }
 };
 

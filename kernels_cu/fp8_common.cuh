@@ -52,6 +52,7 @@ struct Fp8Rule {
             inv = dynamic ? inv : __fmul_rn(inv, rstd);
         }
     }
+    __device__ __forceinline__ static void store8(uint8_t* p, const Half8& v, float inv);  // below
 };
 
 // Two floats -> two e4m3 codes, lo in the low byte (cvt puts its first source in the upper byte).
@@ -70,6 +71,12 @@ __device__ __forceinline__ uint2 fp8_quantize_pack8(const Half8& v, float inv) {
         p[i] = e4m3x2(__fmul_rn(f.x, inv), __fmul_rn(f.y, inv));
     }
     return make_uint2(p[0] | (p[1] << 16), p[2] | (p[3] << 16));
+}
+
+// Eight fp16 values' codes by inv at p (8-byte aligned): fp8_quantize's, for the row kernels (rmsnorm.cuh,
+// silu_mul.cuh).
+__device__ __forceinline__ void Fp8Rule::store8(uint8_t* p, const Half8& v, float inv) {
+    *reinterpret_cast<uint2*>(p) = fp8_quantize_pack8(v, inv);
 }
 
 // Four e4m3 codes (byte i = k i) -> the fp16 pairs (k0, k1) and (k2, k3), exact. Not volatile: the compiler may

@@ -321,8 +321,8 @@ def _run(y, x8, a_scale, w8, w_scale, residual, epilogue: str, wgmma: bool | Non
     if M == 0 or N == 0:
         return
     values = x8.dtype == torch.float16  # the codes' fp16 values: the h entries, never the wgmma GEMM
-    if wgmma is None:
-        wgmma = not values and fp8_wgmma.takes(x8, N)
+    if wgmma is None:  # the GEMM beyond the GEMV's rows, or cuBLASLt's from tuning.fp8_library_min_m rows
+        wgmma = not values and (fp8_wgmma.takes(x8, N) or fp8_wgmma.library_runs(x8, N))
     elif wgmma and (values or N % 16 or not build.has_wgmma(x8.device.index or 0)):
         raise ValueError(f"fp8_wgmma needs an sm_90 GPU and N % 16 == 0, got N={N}")
     a_stride = 1 if a_scale.numel() == M else 0

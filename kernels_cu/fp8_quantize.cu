@@ -7,48 +7,20 @@
 // Entry points fp8_quantize_<dyn|static>_nv<NV>(x8 e4m3 [T,K], a_scale f32 [T], static_scale f32 [1] or null,
 //                                               x fp16 [T,K], int K); K % 8 == 0, NV * blockDim.x * 8 >= K.
 // fp8_quantize_fold: a deferred input (deferred_quant.cuh, int8's format) for the GEMVs of a few rows, below.
+// fp8_rmsnorm_<dyn|static|add_dyn|add_static>_nv<NV>, fp8_silu_mul_<dyn|static>_nv<NV>: rmsnorm.cuh's and
+// silu_mul.cuh's rows (int8's prefill kernels) on the fp8 rule, below.
 #include "fp8_common.cuh"
+#include "rmsnorm.cuh"
+#include "silu_mul.cuh"
 
 using namespace fllama;
-
-template <int NV, int QMODE>
-__device__ __forceinline__ void fp8_quantize_row(uint8_t* __restrict__ q, float* __restrict__ a_scale,
-                                                 const float* __restrict__ static_scale,
-                                                 const __half* __restrict__ x, int K) {
-    __shared__ float scratch[32];
-    const int n_vec = K / 8;
-    const size_t row = blockIdx.x;
-    const size_t base = row * (size_t)K;
-    Half8 v[NV];
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n_vec) {
-            v[j] = load_half8(x + base + 8 * c);
-            amax = fmaxf(amax, half8_absmax(v[j]));
-        }
-    }
-    float inv, scale;
-    if (QMODE == QUANT_DYNAMIC) {
-        fp8_dyn_scales(block_max(amax, scratch), inv, scale);
-    } else {
-        fp8_static_scales(*static_scale, inv, scale);
-    }
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n_vec) *reinterpret_cast<uint2*>(q + base + 8 * c) = fp8_quantize_pack8(v[j], inv);
-    }
-    if (threadIdx.x == 0) a_scale[row] = scale;
-}
 
 #define FLLAMA_FP8_QUANTIZE_ENTRY(NAME, NV, QMODE)                                                               \
     extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                           \
         fp8_quantize_##NAME##_nv##NV(uint8_t* q, float* a_scale, const float* static_scale, const __half* x,    \
                                      int K) {                                                                    \
         pdl_enter();                                                                                             \
-        fp8_quantize_row<NV, QMODE>(q, a_scale, static_scale, x, K);                                             \
+        quantize_row<Fp8Rule, NV, QMODE>(q, a_scale, static_scale, x, K);                                        \
     }
 
 #define FLLAMA_FP8_QUANTIZE_VARIANTS(NV)                  \
@@ -103,3 +75,33 @@ __device__ __forceinline__ void fp8_quantize_fold_row(void* q, float* a_scale, c
     }
 FLLAMA_FP8_QUANTIZE_FOLD(fp8_quantize_fold, false)
 FLLAMA_FP8_QUANTIZE_FOLD(fp8_quantize_fold_h, true)
+
+// The prefill's fused quantizations (fp8_quantize.py's fp8_rmsnorm, fp8_silu_mul): the RMSNorm row (optionally after
+// the residual add, residual += x in place) and the SwiGLU row of an interleaved gate|up product, each quantized by
+// the fp8 rule in registers: rmsnorm (add_rmsnorm) or silu_mul_interleaved, then fp8_quantize, in one kernel with
+// their bits. Arguments as rmsnorm.cu's and silu_mul.cu's entries, q e4m3 codes.
+#define FLLAMA_FP8_RMSNORM_ENTRY(NAME, NV, RESIDUAL, QMODE)                                                     \
+    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                           \
+        fp8_rmsnorm_##NAME##_nv##NV(__half* out, uint8_t* q, float* a_scale, const float* static_scale,         \
+                                    __half* residual, const __half* x, const __half* w, int H, float eps) {     \
+        rmsnorm_row<NV, RESIDUAL, QMODE, Fp8Rule>(out, q, a_scale, static_scale, residual, x, w, H, eps);       \
+    }
+#define FLLAMA_FP8_SILU_ENTRY(NAME, NV, QMODE)                                                                  \
+    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                           \
+        fp8_silu_mul_##NAME##_nv##NV(uint8_t* q, float* a_scale, const float* static_scale,                     \
+                                     const __half* gate_up, int F) {                                             \
+        pdl_enter();                                                                                             \
+        silu_mul_row<NV, QMODE, Fp8Rule, true>(nullptr, q, a_scale, static_scale, gate_up, F);                   \
+    }
+#define FLLAMA_FP8_ROW_VARIANTS(NV)                                   \
+    FLLAMA_FP8_RMSNORM_ENTRY(dyn, NV, false, QUANT_DYNAMIC)           \
+    FLLAMA_FP8_RMSNORM_ENTRY(static, NV, false, QUANT_STATIC)         \
+    FLLAMA_FP8_RMSNORM_ENTRY(add_dyn, NV, true, QUANT_DYNAMIC)        \
+    FLLAMA_FP8_RMSNORM_ENTRY(add_static, NV, true, QUANT_STATIC)      \
+    FLLAMA_FP8_SILU_ENTRY(dyn, NV, QUANT_DYNAMIC)                     \
+    FLLAMA_FP8_SILU_ENTRY(static, NV, QUANT_STATIC)
+
+FLLAMA_FP8_ROW_VARIANTS(1)
+FLLAMA_FP8_ROW_VARIANTS(2)
+FLLAMA_FP8_ROW_VARIANTS(4)
+FLLAMA_FP8_ROW_VARIANTS(8)

@@ -5,6 +5,9 @@
     x8 = e4m3(clamp(x * (1 / a_scale[row]), -448, 448))       round to nearest even
 
 The kernel reproduces fp8_quantize_ref bit for bit (codes and scales), and so model_zoo's quantize_act_fp8*.
+`fp8_rmsnorm` (optionally after the residual add) and `fp8_silu_mul` (an interleaved gate|up product) quantize the
+rows they make in the same kernel (int8's rmsnorm_quant / silu_mul_quant rows on this rule): the bits of the fp16 kernel
+followed by fp8_quantize, one pass over the rows fewer.
 E4M3 needs compute capability 8.9 (Ada) or newer: `require_fp8` says so in one line elsewhere.
 """
 
@@ -16,6 +19,9 @@ from kernels_cu import build
 from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
 from kernels_cu.gemm_shapes import cdiv
 from kernels_cu.quantize import check_fold_inputs
+from kernels_cu.rmsnorm import SIGNATURE as NORM_SIGNATURE
+from kernels_cu.rmsnorm import check_inputs, rmsnorm_ref
+from kernels_cu.swiglu_layout import swiglu_interleaved
 from model_zoo.errors import DeviceError
 
 FP8 = torch.float8_e4m3fn
@@ -23,6 +29,7 @@ FP8_MAX = 448.0
 MIN_AMAX = 1e-8
 SIGNATURE = "PPPPi"  # x8, a_scale, static_scale, x, K
 FOLD_SIGNATURE = "PPPPPPifi"  # fp8_quantize_fold: x8, a_scale, mx, sq, static_scale, x, K, eps, C
+SILU_SIGNATURE = "PPPPi"  # fp8_silu_mul: x8, a_scale, static_scale, gate_up (interleaved), F
 FOLD_VALUES = 1024  # values of a row one fp8_quantize_fold block quantizes
 MIN_CAPABILITY = (8, 9)  # cvt e4m3x2 <-> f16x2 / f32 (Ada, Hopper and newer)
 
@@ -100,4 +107,53 @@ def fp8_quantize_fold(x: torch.Tensor, mx: torch.Tensor, sq: torch.Tensor | None
             fn = build.get_function("fp8_quantize.cu", "fp8_quantize_fold_h" if values else "fp8_quantize_fold",
                                     FOLD_SIGNATURE)
             fn((cdiv(K, FOLD_VALUES), T), (256,), x8, a_scale, mx, sq, static_scale, x, K, float(eps), C)
+    return x8, a_scale
+
+
+def fp8_rmsnorm_ref(h: torch.Tensor, w: torch.Tensor, eps: float, static_scale=None,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quantize_ref of rmsnorm_ref(h, w, eps, residual) (the norm of fp16(residual + h) with residual)."""
+    return fp8_quantize_ref(rmsnorm_ref(h, w, eps, residual), static_scale)
+
+
+def fp8_rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 h [T, H], norm weight w [H] -> (x8 float8_e4m3fn [T, H], a_scale fp32 [T]) = fp8_quantize(rmsnorm(h)),
+    the same bits in one kernel. residual fp16 [T, H]: residual += h first (in place, fp16), then its norm
+    (add_rmsnorm's order)."""
+    T, H = check_inputs(h, w, residual)
+    check_static_scale(static_scale)
+    with build.on_stream():
+        x8 = torch.empty((T, H), dtype=FP8, device=h.device)  # [T, H]
+        a_scale = torch.empty((T,), dtype=torch.float32, device=h.device)  # [T]
+        if T:
+            nv, threads = row_launch(H // 8)
+            mode = ("add_" if residual is not None else "") + ("dyn" if static_scale is None else "static")
+            fn = build.get_function("fp8_quantize.cu", f"fp8_rmsnorm_{mode}_nv{nv}", NORM_SIGNATURE)
+            fn((T,), (threads,), None, x8, a_scale, static_scale, residual, h, w, H, float(eps))
+    return x8, a_scale
+
+
+def fp8_silu_mul_ref(y: torch.Tensor, static_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quantize_ref of swiglu_interleaved(y): y [T, 2F] in the interleaved gate|up column order."""
+    return fp8_quantize_ref(swiglu_interleaved(y), static_scale)
+
+
+def fp8_silu_mul(y: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An interleaved gate|up product y fp16 [T, 2F] (swiglu_layout.py) -> the codes of silu(gate) * up
+    (x8 float8_e4m3fn [T, F], a_scale fp32 [T]): silu_mul_interleaved + fp8_quantize's bits in one kernel."""
+    if y.dim() != 2 or y.shape[1] % 16:
+        raise ValueError(f"y must be [T, 2F] with 2F a multiple of 16 (panels of 8 gate and 8 up columns), "
+                         f"got shape {tuple(y.shape)}")
+    check_tensor(y, "y", torch.float16)
+    check_static_scale(static_scale)
+    T, F_ = y.shape[0], y.shape[1] // 2
+    with build.on_stream():
+        x8 = torch.empty((T, F_), dtype=FP8, device=y.device)  # [T, F]
+        a_scale = torch.empty((T,), dtype=torch.float32, device=y.device)  # [T]
+        if T:
+            nv, threads = row_launch(F_ // 8)
+            mode = "dyn" if static_scale is None else "static"
+            fn = build.get_function("fp8_quantize.cu", f"fp8_silu_mul_{mode}_nv{nv}", SILU_SIGNATURE)
+            fn((T,), (threads,), x8, a_scale, static_scale, y, F_)
     return x8, a_scale

@@ -88,6 +88,19 @@ def takes(x8: torch.Tensor, n: int) -> bool:
     return build.has_wgmma(x8.device.index or 0)
 
 
+def library_runs(x8: torch.Tensor, n: int) -> bool:
+    """Whether fp8_gemm's product of x8 [M, K] and n channels runs on cuBLASLt: a Hopper GPU whose torch takes the
+    contract (library_takes), tuning.fp8_prefill_library, and more rows than the GEMV takes or at least
+    tuning.fp8_library_min_m."""
+    t = tuning.current()
+    M = x8.shape[0]
+    rows = M > t.fp8_gemv_max_m or M >= t.fp8_library_min_m
+    if not (x8.is_cuda and t.fp8_prefill_library and n % 16 == 0 and rows):
+        return False
+    dev = x8.device.index or 0
+    return build.has_wgmma(dev) and library_takes(dev)
+
+
 def library_takes(device_index: int) -> bool:
     """Whether this device's torch._scaled_mm computes the contract: e4m3 x e4m3 with row-wise fp32 scales (per token
     x per channel), fp16 output written into a given tensor, fp32 accumulation (use_fast_accum=False). Probed once

@@ -10,44 +10,16 @@
 // producer (norm_fold.py), or with sq null quantize()'s bits from C partial maxima that a previous kernel wrote
 // (silu_mul_part's per block, the int8 SwiGLU GEMV's per 8 channels); grid (ceil(K / 1024), T), 8 values a thread.
 // zero, when given, is set to 0 (the next GEMV's row-max accumulator).
-#include "common.cuh"
+#include "row_quant.cuh"
 
 using namespace fllama;
-
-template <int NV, int QMODE>
-__device__ __forceinline__ void quantize_row(int8_t* __restrict__ q, float* __restrict__ a_scale,
-                                             const float* __restrict__ static_amax,
-                                             const __half* __restrict__ x, int K) {
-    __shared__ float scratch[32];
-    const int n_vec = K / 8;
-    const size_t row = blockIdx.x;
-    const size_t base = row * (size_t)K;
-    Half8 v[NV];
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n_vec) {
-            v[j] = load_half8(x + base + 8 * c);
-            amax = fmaxf(amax, half8_absmax(v[j]));
-        }
-    }
-    float inv, scale;
-    amax_scales(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax, inv, scale);
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n_vec) quantize_store8(q + base + 8 * c, v[j], inv);
-    }
-    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = scale;
-}
 
 #define FLLAMA_QUANTIZE_ENTRY(NAME, NV, QMODE)                                                          \
     extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                  \
         quantize_##NAME##_nv##NV(int8_t* q, float* a_scale, const float* static_amax, const __half* x, \
                                  int K) {                                                               \
         pdl_enter();                                                                                    \
-        quantize_row<NV, QMODE>(q, a_scale, static_amax, x, K);                                         \
+        quantize_row<Int8Rule, NV, QMODE>(reinterpret_cast<uint8_t*>(q), a_scale, static_amax, x, K); \
     }
 
 #define FLLAMA_QUANTIZE_VARIANTS(NV)                 \

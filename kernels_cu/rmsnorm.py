@@ -31,7 +31,8 @@ def rmsnorm_quant_ref(x: torch.Tensor, w: torch.Tensor, eps: float, static_amax=
     return quantize_ref(rmsnorm_ref(x, w, eps, residual), static_amax)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int]:
+def check_inputs(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int]:
+    """A norm's x [T, H] fp16 (H % 8 == 0), weight w [H] and residual [T, H] or None, on the GPU: (T, H)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
@@ -55,7 +56,7 @@ def _launch(variant: str, T: int, H: int, eps: float, out=None, q=None, a_scale=
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp16 x [T, H], w [H] -> fp16 [T, H]."""
-    T, H = _check(x, w, None)
+    T, H = check_inputs(x, w, None)
     out = out_or_new(out, (T, H), torch.float16, x, "out")
     _launch("plain", T, H, eps, out=out, x=x, w=w)
     return out
@@ -65,7 +66,7 @@ def rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, static_amax: tor
                   q: torch.Tensor | None = None,
                   a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 x [T, H] -> (q int8 [T, H], a_scale fp32 [T]); dynamic per token unless static_amax is given."""
-    T, H = _check(x, w, None)
+    T, H = check_inputs(x, w, None)
     q = out_or_new(q, (T, H), torch.int8, x, "q", align=8)
     a_scale = out_or_new(a_scale, (T,), torch.float32, x, "a_scale", align=4)
     _launch("dyn" if static_amax is None else "static", T, H, eps, q=q, a_scale=a_scale,
@@ -76,7 +77,7 @@ def rmsnorm_quant(x: torch.Tensor, w: torch.Tensor, eps: float, static_amax: tor
 def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """residual += x (fp16, in place); returns rmsnorm(residual) * w as fp16 [T, H]."""
-    T, H = _check(x, w, residual)
+    T, H = check_inputs(x, w, residual)
     out = out_or_new(out, (T, H), torch.float16, x, "out")
     _launch("add", T, H, eps, out=out, residual=residual, x=x, w=w)
     return out
@@ -86,7 +87,7 @@ def add_rmsnorm_quant(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
                       static_amax: torch.Tensor | None = None, q: torch.Tensor | None = None,
                       a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x (in place); returns the int8 quantization of rmsnorm(residual) * w."""
-    T, H = _check(x, w, residual)
+    T, H = check_inputs(x, w, residual)
     q = out_or_new(q, (T, H), torch.int8, x, "q", align=8)
     a_scale = out_or_new(a_scale, (T,), torch.float32, x, "a_scale", align=4)
     _launch("add_dyn" if static_amax is None else "add_static", T, H, eps, q=q, a_scale=a_scale,

@@ -1,6 +1,7 @@
 // SwiGLU activation: out = silu(gate) * up from the fused gate|up GEMM output gate_up [T, 2F]
 // (gate = columns [0, F), up = columns [F, 2F)), one block per row, optionally quantized to int8.
-// Numerics follow torch's F.silu(g) * u on fp16: silu computed in fp32 (g / (1 + exp(-g))), rounded
+// The row is silu_mul.cuh's (fp8_quantize.cu instantiates it on the fp8 rule). Numerics follow torch's
+// F.silu(g) * u on fp16: silu computed in fp32 (g / (1 + exp(-g))), rounded
 // to fp16, then an fp16 multiply; the int8 variants quantize that fp16 value with the rule in common.cuh.
 // Entry points silu_mul_<plain|dyn|static>_nv<NV>(out fp16 [T,F], q int8 [T,F], a_scale f32 [T],
 //                                               static_amax f32 [1], gate_up fp16 [T,2F], int F)
@@ -9,53 +10,16 @@
 // silu_mul_part_<dyn|static>(y fp16 [T,F], part f32 [T,C], q int8 [T,F], a_scale f32 [T], static_amax f32 [1],
 //                            gate_up fp16 [T,2F], int F): the int8 variants for a few rows (silu_mul.py SPLIT_MAX_ROWS),
 // a row over C blocks of PART_VALUES (see silu_mul_part).
-#include "common.cuh"
+#include "silu_mul.cuh"
 
 using namespace fllama;
-
-template <int NV, int QMODE>
-__device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, int8_t* __restrict__ q,
-                                             float* __restrict__ a_scale, const float* __restrict__ static_amax,
-                                             const __half* __restrict__ gate_up, int F) {
-    __shared__ float scratch[32];
-    const int n_vec = F / 8;
-    const size_t row = blockIdx.x;
-    const __half* gate = gate_up + row * (size_t)(2 * F);
-    const __half* up = gate + F;
-    Half8 v[NV];
-    float amax = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n_vec) {
-            const Half8 g = load_half8(gate + 8 * c);
-            const Half8 u = load_half8(up + 8 * c);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) half8_set(v[j], i, __hmul_rn(silu_h(half8_get(g, i)), half8_geth(u, i)));
-            if (QMODE == QUANT_NONE) {
-                store_half8(out + row * (size_t)F + 8 * c, v[j]);
-            } else {
-                amax = fmaxf(amax, half8_absmax(v[j]));
-            }
-        }
-    }
-    if (QMODE == QUANT_NONE) return;
-    float inv, scale;
-    amax_scales(QMODE == QUANT_DYNAMIC ? block_max(amax, scratch) : *static_amax, inv, scale);
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-        const int c = threadIdx.x + j * blockDim.x;
-        if (c < n_vec) quantize_store8(q + row * (size_t)F + 8 * c, v[j], inv);
-    }
-    if (threadIdx.x == 0 && a_scale != nullptr) a_scale[row] = scale;
-}
 
 #define FLLAMA_SILU_ENTRY(NAME, NV, QMODE)                                                                  \
     extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                      \
         silu_mul_##NAME##_nv##NV(__half* out, int8_t* q, float* a_scale, const float* static_amax,          \
                                  const __half* gate_up, int F) {                                            \
         pdl_enter();                                                                                        \
-        silu_mul_row<NV, QMODE>(out, q, a_scale, static_amax, gate_up, F);                                  \
+        silu_mul_row<NV, QMODE>(out, reinterpret_cast<uint8_t*>(q), a_scale, static_amax, gate_up, F);    \
     }
 
 #define FLLAMA_SILU_VARIANTS(NV)                    \

@@ -11,6 +11,7 @@ value ever reaches Python. q|k|v and gate|up are fused into one weight each, as 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable, Union
@@ -77,7 +78,7 @@ class StaticKVDecoder(nn.Module):
             block.k_cache.zero_()
             block.v_cache.zero_()
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, last: bool = False) -> torch.Tensor:
         B, S = tokens.shape
         if B != self.batch or S > self.max_len:  # static shapes: Python ints, no host sync
             raise ConfigError(f"tokens {tuple(tokens.shape)} do not fit a decoder of batch {self.batch} "
@@ -87,8 +88,8 @@ class StaticKVDecoder(nn.Module):
         x = F.embedding(tokens, self.embed)  # [B, S, H]
         for block in self.layers:
             x = self._layer(block, x, input_pos, cos, sin, mask)
-        x = rms_norm(x, self.norm, self.config.norm_eps)
-        return F.linear(x, self.lm_head).float()  # [B, S, V]
+        x = rms_norm(x[:, -1:] if last else x, self.norm, self.config.norm_eps)  # last: the prompt's next token only
+        return F.linear(x, self.lm_head).float()  # [B, S or 1, V]
 
     def _layer(self, block: _Block, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -125,8 +126,9 @@ def compiled_decode_step(decoder: StaticKVDecoder) -> Callable[[torch.Tensor, to
 
 
 def compiled_prefill(decoder: StaticKVDecoder) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """tokens [B, S], input_pos [S] -> logits [B, S, V]; compiled, no CUDA graph (one call per prompt)."""
-    return torch.compile(decoder.forward, fullgraph=True, dynamic=False)
+    """tokens [B, S], input_pos [S] -> the last position's logits [B, 1, V] (what generation reads, as the engine's
+    prefill computes); compiled, no CUDA graph (one call per prompt)."""
+    return torch.compile(functools.partial(decoder.forward, last=True), fullgraph=True, dynamic=False)
 
 
 WeightsSource = Union[ModelWeights, Callable[[], ModelWeights]]

@@ -78,6 +78,9 @@ class Tuning:
     # 1-warp blocks (one wave of them, no cross-warp reduction) only from this many rows: fewer rows leave each
     # warp too little math to hide its loads (above 8: never).
     awq_one_warp_min_rows: int = 8
+    # Otherwise 4-warp blocks where their grid is one wave: a partial second wave of 8-warp blocks leaves SMs idle
+    # (H200, Llama-3-8B q|k|v, 384 panels: one wave of 4-warp blocks against 1.45 of 8-warp ones, batch 1 +2.4%).
+    awq_four_warp_one_wave: bool = True
     # Otherwise 8-warp blocks up to this many waves of 4-warp blocks, 4 warps beyond (large grids need no width).
     awq_wide_waves: float = 1.5
     # The AutoAWQ-layout GEMV (awq_gemm.cu) up to this many rows, then dequantize + cuBLAS.
@@ -129,6 +132,15 @@ class Tuning:
     # accumulation) where the device's torch takes those scales, the residual and SwiGLU after it; else the wgmma
     # kernel (fp8_wgmma.cu, epilogues fused). H200, 2048 rows: ~1,130 TFLOP/s per-tensor against the kernel's ~900.
     fp8_prefill_library: bool = True
+    # From this many rows the fp8 linears run cuBLASLt's GEMM (as above, where it takes the contract) instead of the
+    # GEMV, below fp8_gemv_max_m too; such steps run the norm kernels, not the chain. cuBLASLt takes ~105-110 us for
+    # a LLaMA-2-7B layer's four at 8-64 rows, the GEMV 64 / 72 / 91 / 161 us at 8 / 16 / 32 / 64 (H200; the engine
+    # on cuBLASLt: batch 32 -12%, batch 64 +22%). 65: never.
+    fp8_library_min_m: int = 33
+    # Beyond the GEMV's rows the RMSNorm and SwiGLU kernels before an fp8 linear write its e4m3 codes themselves
+    # (fp8_quantize.fp8_rmsnorm / fp8_silu_mul: the same bits as the fp16 kernel + fp8_quantize), and the norm kernel
+    # adds the residual of the linear before it: a LLaMA-2-7B layer at 2,048 tokens 73.0 us against 115.3 (H200).
+    fp8_fused_quant: bool = True
     # Up to this many rows an fp8 GEMV quantizes its fp16 input itself (fp8_gemv_xq, the same codes): no quantize
     # kernel before it, but every block re-reads the rows to find their max, which only one row does more cheaply
     # than the kernel it saves (int8's defer_quant_max_rows holds the same trade; 0: never).

@@ -25,8 +25,10 @@ class Backend(Protocol):
         """A KV cache for `batch` rows of up to `max_len` positions each; every row starts empty."""
         ...
 
-    def forward(self, tokens: torch.Tensor, cache: Any = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] -> fp32 logits [B, S, V]; with a cache, row r continues at its cached length."""
+    def forward(self, tokens: torch.Tensor, cache: Any = None, rows: torch.Tensor | None = None, *,
+                last: bool = False) -> torch.Tensor:
+        """tokens [B, S] -> fp32 logits [B, S, V]; with a cache, row r continues at its cached length. last: only
+        each row's last position, [B, 1, V] (a prompt's prefill needs no more; evaluation needs every position)."""
         ...
 
 

@@ -124,12 +124,13 @@ class CpuModel:
         return KVCache.empty(self.config, batch, max_len, self.dtype, self.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, V] (fp32). With a cache, each row continues at its own length."""
+                rows: torch.Tensor | None = None, *, last: bool = False) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, V] (fp32). With a cache, each row continues at its own length.
+        last: each row's last position only, [B, 1, V]."""
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self._forward(tokens, cache, rows)
+            return self._forward(tokens, cache, rows, last)
         finally:
             torch.set_num_threads(before)
 
@@ -145,7 +146,8 @@ class CpuModel:
             torch.set_num_threads(before)
 
     @torch.inference_mode()
-    def _forward(self, tokens: torch.Tensor, cache: KVCache | None, rows: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, cache: KVCache | None, rows: torch.Tensor | None,
+                 last: bool = False) -> torch.Tensor:
         c = self.config
         tokens = tokens.to(self.device)
         B, S = tokens.shape
@@ -161,21 +163,23 @@ class CpuModel:
         cos, sin = rope_cos_sin(c, positions.to(self.device), self.dtype)  # [B, S, d]: once, not per layer
         rope = (cos[:, None], (sin * self._sin_sign)[:, None])  # [B, 1, S, d] each
         attend = _Attention(c, cache, row_ids, starts, S, positions)
-        logits = self._steps(tokens, B, S, rope, attend, upcast=False)
+        logits = self._steps(tokens, B, S, rope, attend, upcast=False, last=last)
         if self._halves and B * S == 1 and not math.isfinite(float(logits.sum())):  # an fp16 product overflowed
-            logits = self._steps(tokens, B, S, rope, attend, upcast=True)  # rewrites this step's cache entries
+            logits = self._steps(tokens, B, S, rope, attend, upcast=True, last=last)  # rewrites this step's cache
         if cache is not None:
             for r in row_ids:
                 cache.lengths[r] += S
         return logits
 
     def _steps(self, tokens: torch.Tensor, B: int, S: int, rope: tuple[torch.Tensor, torch.Tensor],
-               attend: "_Attention", upcast: bool) -> torch.Tensor:
-        """The layers and the head: tokens [B, S] -> logits [B, S, V] (fp32)."""
+               attend: "_Attention", upcast: bool, last: bool = False) -> torch.Tensor:
+        """The layers and the head: tokens [B, S] -> logits [B, S, V] (fp32); last: [B, 1, V], the last positions."""
         x = F.embedding(tokens.reshape(B * S), self.embed)  # [B*S, H], a new tensor: the residual adds in place
         norm = _row_norm if self._narrow and B * S == 1 and not upcast else _norm
         for i, layer in enumerate(self.layers):
             self._layer(layer, x, B, S, rope, attend, i, upcast, norm)
+        if last and S > 1:
+            x, S = x.view(B, S, -1)[:, -1].contiguous(), 1  # [B, H]
         x = norm(x, self.norm, self.config.norm_eps)
         return apply_op(self.head, x, upcast).float().view(B, S, -1)  # [B, S, V]
 

@@ -127,7 +127,8 @@ def _prefill(backend: Backend, cache: Any, sampler: Any, rows: list[int],
     first_logits = []
     for r, p in zip(rows, prompts):
         sampler.observe(r, list(p))
-        logits = backend.forward(torch.tensor([list(p)], device=device), cache, torch.tensor([r], device=device))
+        logits = backend.forward(torch.tensor([list(p)], device=device), cache, torch.tensor([r], device=device),
+                                 last=True)  # [1, 1, V]
         first_logits.append(logits[:, -1])  # [1, V]
     return sampler.sample(torch.cat(first_logits), rows).tolist()
 

@@ -154,8 +154,9 @@ class ReferenceModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, rows: torch.Tensor | None = None,
-                observer: Observer | None = None) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, V] (fp32). With a cache, each row continues at its own length."""
+                observer: Observer | None = None, *, last: bool = False) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, V] (fp32). With a cache, each row continues at its own length.
+        last: each row's last position only, [B, 1, V]."""
         tokens = tokens.to(self.device)
         check_token_ids(tokens, self.config.vocab_size)
         B, S = tokens.shape
@@ -174,7 +175,7 @@ class ReferenceModel:
                               None if observer is None else _prefixed(observer, i))
         if cache is not None:
             cache.lengths[rows] += S
-        return self.head(x)
+        return self.head(x[:, -1:] if last else x)
 
 
 def _prefixed(observer: Observer, layer: int) -> Observer:

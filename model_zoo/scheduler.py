@@ -253,7 +253,8 @@ class Scheduler:
                     self.pipe.set_length(seq.slot, 0)  # the slot's previous positions are overwritten
             chunk = torch.tensor([seq.ticket.request.prompt[seq.prefilled:seq.prefilled + n] for seq in seqs],
                                  device=self.backend.device)  # [g, n]
-            logits = self.backend.forward(chunk, self.cache, torch.tensor([s.slot for s in seqs]))  # [g, n, V]
+            slots = torch.tensor([s.slot for s in seqs])
+            logits = self.backend.forward(chunk, self.cache, slots, last=True)  # [g, 1, V]
         except Exception as e:  # noqa: BLE001 - these requests fail (alone, if a group failed), the others go on
             if len(seqs) > 1:
                 for seq in seqs:

@@ -5,6 +5,7 @@ here independently of the packer) reproduces x @ w_hat."""
 import pytest
 import torch
 
+from kernels_cu import tuning
 from kernels_cu.awq_gemv import gemv_takes, gemv_warps, pack_for_gemv, unpack_from_gemv
 from kernels_cu.swiglu_layout import gate_up_order
 from model_zoo.quant.awq_pack import dequantize_awq, quantize_awq
@@ -83,14 +84,17 @@ def test_shapes_the_kernel_takes():
 def test_warps_per_panel_for_the_7b_and_70b_decode_shapes():
     """LLaMA-2-7B on 132 SMs (H100 / H200 SXM): o_proj / down_proj (256 panels: one wave of 8-warp blocks, two a
     SM) on 8 warps, q|k|v (768: one wave of 2-warp blocks, eight a SM, 11.6 warps a SM) on 2, gate|up (1376) on 4.
-    LLaMA-2-70B: o_proj / down_proj (512) and q|k|v (640) would fill a 2-warp wave with 7.8 / 9.7 warps a SM: 8
+    Llama-3-8B's q|k|v (384) and LLaMA-2-70B's o_proj / down_proj (512) are one wave of 4-warp blocks: 4, not 1.45 /
+    1.94 waves of 8; 70B's q|k|v (640) would fill a 2-warp wave with 9.7 warps a SM and is more than a wave of 4: 8
     warps, gate|up (3584) 4 (the engine A/B in awq_gemv.py). On 114 SMs (H100 PCIe) 7B's q|k|v holds 13.5 warps a
-    SM on 2 warps; its 256 panels are more than a wave of 8-warp blocks and too few for 2: 8 (1.5 waves of 4).
+    SM on 2 warps; its 256 panels are more than a wave of 8-warp blocks and one wave of 4: 4.
     At 8 rows 7B's gate|up is one wave of 1-warp blocks (10.4 / 12.1 warps a SM), not at 2-4 rows; 70B's (3584) is
     more than a wave of them: 4."""
     assert [gemv_warps(p, 132) for p in (256, 768, 1376)] == [8, 2, 4]
-    assert [gemv_warps(p, 132) for p in (512, 640, 3584)] == [8, 8, 4]
-    assert [gemv_warps(p, 114) for p in (256, 768, 1376)] == [8, 2, 4]
-    assert [gemv_warps(p, 132, 8) for p in (256, 768, 1376, 512, 640, 3584)] == [8, 2, 1, 8, 8, 4]
+    assert [gemv_warps(p, 132) for p in (384, 512, 640, 3584)] == [4, 4, 8, 4]
+    assert [gemv_warps(p, 114) for p in (256, 768, 1376)] == [4, 2, 4]
+    assert [gemv_warps(p, 132, 8) for p in (256, 768, 1376, 512, 640, 3584)] == [8, 2, 1, 4, 8, 4]
+    with tuning.override(awq_four_warp_one_wave=False):
+        assert [gemv_warps(p, 132) for p in (384, 512, 640)] == [8, 8, 8]
     assert [gemv_warps(1376, 132, m) for m in (1, 2, 4, 7)] == [4, 4, 4, 4]
-    assert [gemv_warps(p, 114, 8) for p in (256, 768, 1376)] == [8, 2, 1]
+    assert [gemv_warps(p, 114, 8) for p in (256, 768, 1376)] == [4, 2, 1]

@@ -158,6 +158,21 @@ def test_every_kernel_compiles_for_hopper_with_its_entry_points(tmp_path, monkey
     assert build.compile_cubin("embedding.cu", "sm_90a").stat().st_mtime_ns == mtime
 
 
+# What a decode step on an Ampere GPU compiles (the Hopper-only GEMMs, TMA and fp8 files are never asked for there).
+AMPERE_FILES = ["attention_decode.cu", "awq_batch.cu", "awq_gemm.cu", "awq_gemv.cu", "embedding.cu", "fp16_gemv.cu",
+                "int8_gemm.cu", "quantize.cu", "rmsnorm.cu", "rope_kv.cu", "sampling.cu", "silu_mul.cu"]
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed")
+def test_the_decode_kernels_compile_for_ampere(tmp_path, monkeypatch):
+    """Clusters and PDL are Hopper's; below sm_90 their helpers compile to traps and no-ops (the launchers take the
+    cluster entries only where the GPU has clusters), so the decode kernels build for sm_80."""
+    monkeypatch.setenv("FLLAMA_CUDA_CACHE", str(tmp_path))
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        cubins = list(pool.map(lambda f: build.compile_cubin(f, "sm_80"), AMPERE_FILES))
+    assert all(p.read_bytes()[:4] == b"\x7fELF" for p in cubins)
+
+
 @pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed")
 def test_a_compile_error_is_a_device_error_with_nvccs_words(tmp_path, monkeypatch):
     kdir = tmp_path / "src"

@@ -11,15 +11,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels_cu import build
+from kernels_cu import build, tuning
 from kernels_cu.bench import random_weights
 from kernels_cu.engine.config import EngineConfig
 from kernels_cu.engine.fp8_op import Fp8Op
 from kernels_cu.engine.plan import StepPlan, plan_step
 from kernels_cu.fp8_gemm import (FoldQuant, NormIn, fp8_fold_quantize_ref, fp8_gemm, fp8_gemm_ref, fp8_linear,
                                  fp8_linear_ref, fp8_swiglu_ref, norm_launch)
-from kernels_cu.fp8_quantize import FP8, fp8_quantize, fp8_quantize_ref
+from kernels_cu.fp8_quantize import (FP8, fp8_quantize, fp8_quantize_ref, fp8_rmsnorm, fp8_rmsnorm_ref, fp8_silu_mul,
+                                     fp8_silu_mul_ref)
 from kernels_cu.norm_fold import FoldOut
+from kernels_cu.rmsnorm import rmsnorm_ref
 from kernels_cu.silu_mul import silu_mul_ref
 from kernels_cu.tuning import DEFAULT
 from model_zoo.config import LlamaConfig
@@ -28,7 +30,10 @@ from model_zoo.quant import fp8 as contract
 from model_zoo.quant.linear import Fp8Linear
 
 ENTRY_POINTS = {
-    "fp8_quantize.cu": [f"fp8_quantize_{m}_nv{n}" for m in ("dyn", "static") for n in (1, 2, 4, 8)],
+    "fp8_quantize.cu": [f"fp8_quantize_{m}_nv{n}" for m in ("dyn", "static") for n in (1, 2, 4, 8)]
+                       + [f"fp8_rmsnorm_{m}_nv{n}" for m in ("dyn", "static", "add_dyn", "add_static")
+                          for n in (1, 2, 4, 8)]
+                       + [f"fp8_silu_mul_{m}_nv{n}" for m in ("dyn", "static") for n in (1, 2, 4, 8)],
     "fp8_gemm.cu": [f"fp8_gemv_{m}{e}" for m in ("mt1", "mt2", "xq") for e in ("", "_res", "_silu")]
                    + ["fp8_gemv_nq", "fp8_gemv_nq_silu"],
     "fp8_wgmma.cu": [f"fp8_wgmma_{e}" for e in ("plain", "res", "silu")],
@@ -58,6 +63,10 @@ def test_launchers_check_arguments_before_touching_the_driver():
         fp8_quantize(torch.randn(4, 64).half())
     with pytest.raises(ValueError, match="on the GPU"):  # the self-quantizing GEMV's launcher
         fp8_linear(torch.randn(1, 64).half(), w8, w_scale, xq=True)
+    with pytest.raises(ValueError, match="on the GPU"):  # the fused norm and SwiGLU quantizations
+        fp8_rmsnorm(torch.randn(4, 64).half(), torch.ones(64).half(), 1e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_silu_mul(torch.randn(4, 40).half())
     with pytest.raises(ValueError, match="no residual"):
         fp8_linear(torch.randn(1, 64).half(), w8, w_scale, residual=torch.zeros(1, 32).half(), swiglu=True)
     assert "pycuda" not in sys.modules
@@ -107,14 +116,17 @@ def test_fp8_op_takes_the_norm_at_one_row():
     h, w = torch.randn(1, 64).half(), torch.ones(64).half()
     x = op.norm_input(h, w, 1e-5)
     assert isinstance(x, NormIn) and x.h is h and x.w is w and x.eps == 1e-5
-    assert op.norm_input(torch.randn(2, 64).half(), w, 1e-5) is None  # tuning.fp8_xq_max_rows
+    with tuning.override(fp8_fused_quant=False):
+        assert op.norm_input(torch.randn(2, 64).half(), w, 1e-5) is None  # tuning.fp8_xq_max_rows: the norm kernel
+    with pytest.raises(ValueError, match="on the GPU"):  # beyond: fp8_rmsnorm's codes (the GPU test runs them)
+        op.norm_input(torch.randn(2, 64).half(), w, 1e-5)
     assert norm_launch(4096) == (2, 256) and norm_launch(576) == (1, 96) and norm_launch(32768) is None
 
 
 def test_an_fp8_step_defers_on_the_gemvs():
-    """The plan of an fp8 decode step: up to the GEMVs' rows int8's deferred chain (the norms folded in int8's
-    format; dynamic activations: o_proj and down_proj quantized from the maxima attention and the gate|up GEMV
-    wrote, at one row also its row max); beyond, every norm a kernel and every linear quantizing its own input."""
+    """The plan of an fp8 decode step: on the GEMVs' rows (below tuning.fp8_library_min_m) int8's deferred chain (the
+    norms folded in int8's format; dynamic activations: o_proj and down_proj quantized from the maxima attention and
+    the gate|up GEMV wrote, at one row also its row max); beyond, the norm kernels and cuBLASLt's products."""
     def layer(static):
         op = Fp8Op(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32), torch.ones(1) if static else None)
         return type("L", (), {"qkv": op, "o": op, "gate_up": op, "down": op})()
@@ -123,10 +135,12 @@ def test_an_fp8_step_defers_on_the_gemvs():
         return plan_step(layers, "fp8", 512, cfg, t, m)
 
     assert plan([layer(False)], 1) == StepPlan(int8_fold=True, defer_o=True, defer_down=True, row_amax=True)
-    for m in (2, 8, 16, 64):
+    for m in (2, 8, 16, 32):
         assert plan([layer(False)], m) == StepPlan(int8_fold=True, defer_o=True, defer_down=True)
         assert plan([layer(True)], m) == StepPlan(int8_fold=True)
-    assert plan([layer(False)], 128) == StepPlan()  # the wgmma GEMM (tuning.fp8_gemv_max_m)
+    assert plan([layer(False)], 64) == StepPlan()  # cuBLASLt's GEMM (tuning.fp8_library_min_m)
+    assert plan([layer(False)], 64, t=replace(DEFAULT, fp8_library_min_m=65)) != StepPlan()
+    assert plan([layer(False)], 128) == StepPlan()  # the GEMM (tuning.fp8_gemv_max_m)
     assert plan([layer(False), layer(True)], 1) == StepPlan()  # one activation mode for the chain
     assert plan([layer(False)], 1, cfg=EngineConfig(fold_norms=False)) == StepPlan()
     assert plan([layer(False)], 1, t=replace(DEFAULT, fp8_defer_max_rows=0)) == StepPlan()
@@ -159,3 +173,22 @@ def test_bench_random_weights_quantize_to_fp8():
     lin = w.layers[0].w_gate
     assert w.meta["scheme"] == "fp8" and isinstance(lin, Fp8Linear) and lin.weight8.shape == (256, 128)
     assert lin.a_scale is None
+
+
+def test_fused_quantization_references_are_the_kernels_they_replace():
+    """fp8_rmsnorm_ref / fp8_silu_mul_ref: the fp16 kernel's reference (rmsnorm_ref after the fp16 residual add;
+    swiglu_interleaved) quantized by the contract's per-token (or static) rule."""
+    g = torch.Generator().manual_seed(0)
+    h, r = (torch.randn(5, 64, generator=g) * 3).half(), torch.randn(5, 64, generator=g).half()
+    w = (1 + 0.1 * torch.randn(64, generator=g)).half()
+    for static in (None, 0.01):
+        x8, s = fp8_rmsnorm_ref(h, w, 1e-5, static, residual=r)
+        y = rmsnorm_ref(r + h, w, 1e-5)
+        want = (contract.quantize_act_fp8(y.float(), static) if static else
+                contract.quantize_act_fp8_per_token(y.float()))
+        assert torch.equal(x8.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(s.reshape(-1), want[1].reshape(-1).expand(5).float())
+    gu = (torch.randn(3, 64, generator=g) * 2).half()  # 2F = 64: four panels of 8 gate + 8 up
+    x8, s = fp8_silu_mul_ref(gu)
+    v = silu_mul_ref(gu.view(3, 4, 2, 8).transpose(1, 2).reshape(3, 64))  # [gate; up] order
+    assert torch.equal(x8.view(torch.uint8), fp8_quantize_ref(v)[0].view(torch.uint8))

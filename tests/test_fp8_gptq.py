@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from calibrate.fp8_gptq import Fp8Rounding, GptqConfig, HessianCollector, gptq_fp8
+from calibrate.fp8_gptq import gptq_fp8
+from calibrate.gptq_round import GptqConfig, HessianCollector, Rounding
 from calibrate.fp8_scale import CANDIDATES, Fp8WeightScale, search_scale_fp8
 from calibrate.calibration import DataConfig
 from calibrate.methods import CalibConfig
@@ -112,13 +113,13 @@ def test_the_same_inputs_give_the_same_codes():
 
 def test_rounding_and_scale_are_fp8_options_defaulting_to_gptq_and_search():
     cfg = QuantConfig(scheme=Scheme.FP8)
-    assert cfg.rounding is Fp8Rounding.GPTQ and cfg.weight_scale is Fp8WeightScale.SEARCH and cfg.reads_text
+    assert cfg.rounding is Rounding.GPTQ and cfg.weight_scale is Fp8WeightScale.SEARCH and cfg.reads_text
     assert cfg.describe()["rounding"] == "gptq" and cfg.describe()["weight_scale"] == "search"
-    for rounding, scale in ((Fp8Rounding.NEAREST, Fp8WeightScale.SEARCH), (Fp8Rounding.GPTQ, Fp8WeightScale.MAX)):
+    for rounding, scale in ((Rounding.NEAREST, Fp8WeightScale.SEARCH), (Rounding.GPTQ, Fp8WeightScale.MAX)):
         assert QuantConfig(scheme=Scheme.FP8, rounding=rounding, weight_scale=scale).reads_text
-    assert not QuantConfig(scheme=Scheme.FP8, rounding=Fp8Rounding.NEAREST, weight_scale=Fp8WeightScale.MAX).reads_text
-    with pytest.raises(ConfigError, match="--rounding applies to --scheme fp8 only"):
-        QuantConfig(scheme=Scheme.INT8, rounding=Fp8Rounding.GPTQ)
+    assert not QuantConfig(scheme=Scheme.FP8, rounding=Rounding.NEAREST, weight_scale=Fp8WeightScale.MAX).reads_text
+    with pytest.raises(ConfigError, match="--rounding applies to --scheme fp8 and awq only"):
+        QuantConfig(scheme=Scheme.INT8, rounding=Rounding.GPTQ)
     with pytest.raises(ConfigError, match="--weight-scale applies to --scheme fp8 only"):
         QuantConfig(scheme=Scheme.AWQ, weight_scale=Fp8WeightScale.MAX)
     with pytest.raises(ConfigError, match="damping"):
@@ -159,5 +160,5 @@ def test_gptq_checkpoint_round_trips_and_compressed_tensors_decompresses_it(mode
 def test_rounding_with_another_scheme_is_one_line(capsys, monkeypatch, model_dir, tmp_path):
     code, _, err = fllama(capsys, monkeypatch, "quantize", model_dir, "--scheme", "int8", "--rounding", "gptq",
                           "-o", tmp_path / "q", "--device", "cpu")
-    assert_one_line_error(code, err, "--rounding applies to --scheme fp8 only")
+    assert_one_line_error(code, err, "--rounding applies to --scheme fp8 and awq only")
     assert not (tmp_path / "q").exists()

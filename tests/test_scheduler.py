@@ -161,10 +161,10 @@ def test_a_full_queue_is_overloaded_and_a_closed_scheduler_unavailable(sched):
 def test_a_failing_prefill_fails_its_request_only(sched, monkeypatch):
     real = MODEL.forward
 
-    def flaky(tokens, cache=None, rows=None):
+    def flaky(tokens, cache=None, rows=None, **kw):
         if bool((tokens == 99).any()):
             raise RuntimeError("boom")
-        return real(tokens, cache, rows)
+        return real(tokens, cache, rows, **kw)
 
     monkeypatch.setattr(MODEL, "forward", flaky)
     with sched._cv:  # both admitted in one turn: one prefill call of two rows fails, then each runs alone

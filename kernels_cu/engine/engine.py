@@ -210,10 +210,11 @@ class Engine:
     # -- forward -----------------------------------------------------------------------------------------
     @api
     def forward(self, tokens: torch.Tensor, cache: GpuCache | None = None,
-                rows: torch.Tensor | None = None, *, prefill_graph: bool = True) -> torch.Tensor:
+                rows: torch.Tensor | None = None, *, prefill_graph: bool = True, last: bool = False) -> torch.Tensor:
         """tokens [B, S] -> fp32 logits [B, S, V]; with a cache each row continues at its own length.
         prefill_graph=False: a prefill runs eagerly even when its shape has a graph (benchmarks: a new prompt's
-        time to first token)."""
+        time to first token). last: only each row's last position, [B, 1, V] (the final norm and the lm_head on
+        B rows, not B x S)."""
         B, S = tokens.shape
         check_token_ids(tokens, self.config.vocab_size)  # an id outside the table would read another row's memory
         if cache is None:
@@ -221,9 +222,10 @@ class Engine:
         rows_l = list(range(B)) if rows is None else [int(r) for r in rows]
         if S == 1:  # decode kernels (graph replay, or the same kernels eagerly with use_graphs off)
             return self._decode(tokens[:, 0], cache, rows_l)[:, None]
-        return self._prefill(tokens, cache, rows_l, prefill_graph)
+        return self._prefill(tokens, cache, rows_l, prefill_graph, last)
 
-    def _prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int], graph_ok: bool = True) -> torch.Tensor:
+    def _prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int], graph_ok: bool = True,
+                 last: bool = False) -> torch.Tensor:
         """Eager, or the replay of a graph captured the second time the same prefill shape comes (graphs.py)."""
         S = tokens.shape[1]
         with build.on_stream():
@@ -233,13 +235,13 @@ class Engine:
             raise PromptError(f"the KV cache holds {cache.capacity} positions; {max(starts) + S} are needed")
 
         def eager() -> torch.Tensor:
-            return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts)
+            return self._prefill_body(*self._prefill_inputs(tokens, starts, rows), idx, cache, rows, starts, last)
 
         if not (graph_ok and self.cfg.use_graphs and self.cfg.prefill_graphs):
             return eager()
-        key = (tuple(rows), S, tuple(starts))
+        key = (tuple(rows), S, tuple(starts), last)
         return self._prefill_graphs.run(cache, key, tokens, eager,
-                                        lambda: self._capture_prefill(tokens, cache, rows, starts, idx))
+                                        lambda: self._capture_prefill(tokens, cache, rows, starts, idx, last))
 
     def _prefill_inputs(self, tokens: torch.Tensor, starts: list[int],
                         rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,8 +255,9 @@ class Engine:
         return ids, pos, row
 
     def _prefill_body(self, ids: torch.Tensor, pos: torch.Tensor, row: torch.Tensor, idx: torch.Tensor,
-                      cache: GpuCache, rows: list[int], starts: list[int]) -> torch.Tensor:
-        """The prefill's kernels, from device inputs only (so a graph can capture them): fp32 logits [B, S, V]."""
+                      cache: GpuCache, rows: list[int], starts: list[int], last: bool = False) -> torch.Tensor:
+        """The prefill's kernels, from device inputs only (so a graph can capture them): fp32 logits [B, S, V]
+        (last: [B, 1, V])."""
         B, S = len(rows), ids.shape[0] // len(rows)
         c = self.config
         with build.on_stream():
@@ -267,18 +270,21 @@ class Engine:
                 return (outs[0] if B == 1 else torch.cat(outs)).reshape(B * S, c.q_size)  # no copy for one row
 
             h, _ = self._run_layers(h, cache, attend, PREFILL)
-            logits = self._logits(h).float().reshape(B, S, -1)  # [B, S, V]
+            if last:
+                h = h.view(B, S, -1)[:, -1].contiguous()  # [B, H]
+            logits = self._logits(h).float().reshape(B, 1 if last else S, -1)  # [B, S or 1, V]
             cache.lengths[idx] += S
         return logits
 
     def _capture_prefill(self, tokens: torch.Tensor, cache: GpuCache, rows: list[int], starts: list[int],
-                         idx: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, tuple]:
+                         idx: torch.Tensor, last: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                          torch.Tensor, tuple]:
         """(graph, its ids input [T], its logits [B, S, V], the other inputs it reads) of this prefill shape: the
         graph holds their addresses, so the entry keeps them alive. Capturing runs nothing, so the cache and
         lengths are untouched until the replay; the eager run of the shape's first occurrence built the kernels
         and warmed cuBLAS and SDPA up."""
         ids, pos, row = self._prefill_inputs(tokens, starts, rows)
-        graph, out = record(lambda: self._prefill_body(ids, pos, row, idx, cache, rows, starts))
+        graph, out = record(lambda: self._prefill_body(ids, pos, row, idx, cache, rows, starts, last))
         return graph, ids, out, (pos, row, idx)
 
     # -- decode --------------------------------------------------------------------------------------------

@@ -62,10 +62,11 @@ def defers_quant(layers: Sequence[Any], cfg: EngineConfig, t: Tuning, m: int) ->
 
 
 def fp8_chain(layers: Sequence[Any], hidden: int, cfg: EngineConfig, t: Tuning, m: int) -> bool:
-    """fp8 up to tuning.fp8_defer_max_rows rows on the GEMVs: int8's deferred chain, where every linear is fp8 and
-    o_proj / down_proj share one activation mode (dynamic: their inputs quantized from the maxima attention and the
-    gate|up GEMV wrote)."""
-    if not (m <= min(t.fp8_defer_max_rows, t.fp8_gemv_max_m) and cfg.fold_norms and cfg.fuse_rope
+    """fp8 up to tuning.fp8_defer_max_rows rows on the GEMVs (below tuning.fp8_library_min_m, from which cuBLASLt
+    takes the products): int8's deferred chain, where every linear is fp8 and o_proj / down_proj share one
+    activation mode (dynamic: their inputs quantized from the maxima attention and the gate|up GEMV wrote)."""
+    gemv_rows = min(t.fp8_defer_max_rows, t.fp8_gemv_max_m, t.fp8_library_min_m - 1)
+    if not (m <= gemv_rows and cfg.fold_norms and cfg.fuse_rope
             and norm_fold.takes(hidden)):
         return False
     if not all(getattr(op, "fp8", False) for op in _ops(layers)):

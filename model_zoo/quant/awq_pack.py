@@ -34,6 +34,21 @@ def check_awq_shape(in_features: int, out_features: int, group_size: int) -> Non
         raise ConfigError(f"AWQ packs 8 output columns per int32: output size {out_features} is not a multiple of 8")
 
 
+def awq_grid(w: torch.Tensor, group_size: int,
+             clip_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> each group's grid: (step fp16 [N, K/G], zero point fp32 [N, K/G], whole numbers 0..15), from
+    its range after `clip_max` [N, K/G] (AWQ's clipping search) clamps it to [-clip_max, clip_max]."""
+    if w.dim() != 2:
+        raise ConfigError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    check_awq_shape(k, n, group_size)
+    wg = _clipped_groups(w, group_size, clip_max)  # [N, K/G, G]
+    w_max, w_min = wg.amax(dim=2), wg.amin(dim=2)  # [N, K/G]
+    steps = ((w_max - w_min).clamp(min=SCALE_RANGE_MIN) / QMAX).to(torch.float16)  # [N, K/G]
+    zeros = (-torch.round(w_min / steps.float())).clamp(0, QMAX)  # [N, K/G]
+    return steps, zeros
+
+
 def quantize_awq_rtn(w: torch.Tensor, group_size: int,
                      clip_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [N, K] -> (q uint8 [K, N] in 0..15, zeros uint8 [K/G, N], scales fp16 [K/G, N]).
@@ -41,21 +56,20 @@ def quantize_awq_rtn(w: torch.Tensor, group_size: int,
     `clip_max` [N, K/G] (AWQ's clipping search) clamps each group to [-clip_max, clip_max] first.
     Codes are computed against the fp16-rounded scale that is stored, in fp32.
     """
-    if w.dim() != 2:
-        raise ConfigError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    steps, zeros = awq_grid(w, group_size, clip_max)  # [N, K/G] each
     n, k = w.shape
-    check_awq_shape(k, n, group_size)
+    wg = _clipped_groups(w, group_size, clip_max)  # [N, K/G, G]
+    q = (torch.round(wg / steps.float().unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0, QMAX)  # [N, K/G, G]
+    return q.reshape(n, k).T.to(torch.uint8).contiguous(), zeros.T.to(torch.uint8).contiguous(), steps.T.contiguous()
+
+
+def _clipped_groups(w: torch.Tensor, group_size: int, clip_max: torch.Tensor | None) -> torch.Tensor:
+    n, k = w.shape
     wg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
-    if clip_max is not None:
-        c = clip_max.float().reshape(n, k // group_size, 1)  # [N, K/G, 1]
-        wg = torch.maximum(torch.minimum(wg, c), -c)
-    w_max, w_min = wg.amax(dim=2), wg.amin(dim=2)  # [N, K/G]
-    scales = ((w_max - w_min).clamp(min=SCALE_RANGE_MIN) / QMAX).to(torch.float16)  # [N, K/G]
-    s = scales.float().unsqueeze(2)  # [N, K/G, 1]
-    zeros = (-torch.round(w_min.unsqueeze(2) / s)).clamp(0, QMAX)  # [N, K/G, 1]
-    q = (torch.round(wg / s) + zeros).clamp(0, QMAX)  # [N, K/G, G]
-    q = q.reshape(n, k).T.to(torch.uint8).contiguous()  # [K, N]
-    return q, zeros.squeeze(2).T.to(torch.uint8).contiguous(), scales.T.contiguous()
+    if clip_max is None:
+        return wg
+    c = clip_max.float().reshape(n, k // group_size, 1)  # [N, K/G, 1]
+    return torch.maximum(torch.minimum(wg, c), -c)
 
 
 def pack_awq(q: torch.Tensor) -> torch.Tensor:

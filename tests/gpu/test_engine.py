@@ -157,11 +157,12 @@ def test_prefill_graph_replays_equal_eager_prefills(scheme):
     for _ in range(2):
         cache.lengths.zero_()
         graphed.forward(torch.randint(0, config.vocab_size, (1, 5), generator=g), cache)
-    assert len(cache.prefill_graphs) == DEFAULT.prefill_graphs and ((0,), 5, (0,)) in cache.prefill_graphs
-    assert ((0, 1), 24, (0, 0)) not in cache.prefill_graphs
-    long = torch.randint(0, config.vocab_size, (4, DEFAULT.prefill_graph_tokens // 4 + 1))  # 4 x 257 tokens
+    # keys: (rows, length, starts, last): forward(last=True) computes other logits and has graphs of its own
+    assert len(cache.prefill_graphs) == DEFAULT.prefill_graphs and ((0,), 5, (0,), False) in cache.prefill_graphs
+    assert ((0, 1), 24, (0, 0), False) not in cache.prefill_graphs
+    long = torch.randint(0, config.vocab_size, (8, DEFAULT.prefill_graph_tokens // 8 + 1))  # 8 x 257 tokens
     for _ in range(2):
-        big = graphed.new_cache(4, long.shape[1] + 1)
+        big = graphed.new_cache(8, long.shape[1] + 1)
         graphed.forward(long, big)
     assert not big.prefill_graphs
 
