@@ -38,15 +38,7 @@ def awq_grid(w: torch.Tensor, group_size: int,
              clip_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> each group's grid: (step fp16 [N, K/G], zero point fp32 [N, K/G], whole numbers 0..15), from
     its range after `clip_max` [N, K/G] (AWQ's clipping search) clamps it to [-clip_max, clip_max]."""
-    if w.dim() != 2:
-        raise ConfigError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
-    n, k = w.shape
-    check_awq_shape(k, n, group_size)
-    wg = _clipped_groups(w, group_size, clip_max)  # [N, K/G, G]
-    w_max, w_min = wg.amax(dim=2), wg.amin(dim=2)  # [N, K/G]
-    steps = ((w_max - w_min).clamp(min=SCALE_RANGE_MIN) / QMAX).to(torch.float16)  # [N, K/G]
-    zeros = (-torch.round(w_min / steps.float())).clamp(0, QMAX)  # [N, K/G]
-    return steps, zeros
+    return _grid(_clipped_groups(w, group_size, clip_max))
 
 
 def quantize_awq_rtn(w: torch.Tensor, group_size: int,
@@ -56,20 +48,31 @@ def quantize_awq_rtn(w: torch.Tensor, group_size: int,
     `clip_max` [N, K/G] (AWQ's clipping search) clamps each group to [-clip_max, clip_max] first.
     Codes are computed against the fp16-rounded scale that is stored, in fp32.
     """
-    steps, zeros = awq_grid(w, group_size, clip_max)  # [N, K/G] each
-    n, k = w.shape
     wg = _clipped_groups(w, group_size, clip_max)  # [N, K/G, G]
+    steps, zeros = _grid(wg)  # [N, K/G] each
     q = (torch.round(wg / steps.float().unsqueeze(2)) + zeros.unsqueeze(2)).clamp(0, QMAX)  # [N, K/G, G]
-    return q.reshape(n, k).T.to(torch.uint8).contiguous(), zeros.T.to(torch.uint8).contiguous(), steps.T.contiguous()
+    return q.reshape(w.shape).T.to(torch.uint8).contiguous(), zeros.T.to(torch.uint8).contiguous(), steps.T.contiguous()
 
 
 def _clipped_groups(w: torch.Tensor, group_size: int, clip_max: torch.Tensor | None) -> torch.Tensor:
+    """W [N, K] (checked) -> its groups [N, K/G, G] in fp32, clamped to [-clip_max, clip_max] where given."""
+    if w.dim() != 2:
+        raise ConfigError(f"weight must be 2-D [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
+    check_awq_shape(k, n, group_size)
     wg = w.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
     if clip_max is None:
         return wg
     c = clip_max.float().reshape(n, k // group_size, 1)  # [N, K/G, 1]
     return torch.maximum(torch.minimum(wg, c), -c)
+
+
+def _grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups [N, K/G, G] -> (step fp16 [N, K/G], zero point fp32 [N, K/G]) spanning each group's range."""
+    w_max, w_min = wg.amax(dim=2), wg.amin(dim=2)  # [N, K/G]
+    steps = ((w_max - w_min).clamp(min=SCALE_RANGE_MIN) / QMAX).to(torch.float16)  # [N, K/G]
+    zeros = (-torch.round(w_min / steps.float())).clamp(0, QMAX)  # [N, K/G]
+    return steps, zeros
 
 
 def pack_awq(q: torch.Tensor) -> torch.Tensor:
