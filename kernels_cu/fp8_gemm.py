@@ -34,7 +34,8 @@ from kernels_cu import build, fp8_wgmma, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
 from kernels_cu.fp8_quantize import (FP8, FP8_MAX, MIN_AMAX, check_static_scale, fp8_quantize, fp8_quantize_fold,
                                      fp8_quantize_ref)
-from kernels_cu.gemm_shapes import GEMV_RING_BYTES, GEMV_ROWS, GEMV_THREADS, cdiv, gemv_shared, token_tile
+from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_ROWS, GEMV_THREADS, cdiv, gemv_shared, sm_count, smem_per_sm,
+                                   token_tile)
 from kernels_cu.int8_gemm import DeferredQuant
 from kernels_cu.norm_fold import FoldOut
 from kernels_cu.quantize import check_fold_inputs
@@ -332,6 +333,10 @@ def _run(y, x8, a_scale, w8, w_scale, residual, epilogue: str, wgmma: bool | Non
     suffix = "" if epilogue == "plain" else f"_{epilogue}"
     t = tuning.current()
     mt = token_tile(M, widest=2 if values else t.fp8_gemv_block_rows // 8)
+    warps = 0 if values or mt != 4 else _wide_warps(t, M, N, x8)
+    if warps:  # 32 channels a block (fp8_gemv_w2x*)
+        _run_wide(warps, suffix, y, x8, a_scale, a_stride, w8, w_scale, residual, fold_out, part)
+        return
     alu = "a" if mt == 4 and t.fp8_gemv_alu_weights else ""  # fp8_gemv_mt4a: weights converted by integer ops
     name = f"fp8_gemv_h{mt}" if values else f"fp8_gemv_mt{mt}{alu}"
     fn = build.get_function("fp8_gemm.cu", f"{name}{suffix}", GEMV_SIGNATURE)
@@ -341,6 +346,33 @@ def _run(y, x8, a_scale, w8, w_scale, residual, epilogue: str, wgmma: bool | Non
     fold = (None,) * 4 if fold_out is None else (fold_out.w, fold_out.xg, fold_out.part, fold_out.mx)
     fn(grid, (GEMV_THREADS,), y, x8, a_scale, a_stride, w8, w_scale, residual, *fold, part, M, N, x8.shape[1],
        shared=gemv_shared(tiles * panels, ring))
+
+
+def _wide_warps(t: tuning.Tuning, M: int, N: int, x8: torch.Tensor) -> int:
+    """Warps a block of fp8_gemv_w2x* (32 channels a block, tuning.fp8_gemv_block_channels), or 0: fp8_gemv_mt4 (16;
+    mt4a with tuning.fp8_gemv_alu_weights), or where the ring does not fit the device's shared memory. 4 where the
+    grid exceeds the SMs (two blocks a SM, tuning.fp8_gemv_wide_two_blocks), else 8."""
+    if t.fp8_gemv_block_channels not in (16, 32):
+        raise ConfigError(f"fp8_gemv_block_channels must be 16 or 32, got {t.fp8_gemv_block_channels}")
+    index = x8.device.index or 0
+    if t.fp8_gemv_block_channels == 16 or t.fp8_gemv_alu_weights or smem_per_sm(index) < wide_ring(8) + 4096:
+        return 0
+    return 4 if t.fp8_gemv_wide_two_blocks and cdiv(M, 32) * cdiv(N, 32) > sm_count(index) else 8
+
+
+def wide_ring(warps: int) -> int:
+    """Shared bytes of fp8_gemv_w2x*'s ring (WideShape): 3 stages of 32 weight and 32 token rows of 128 bytes."""
+    return warps * 3 * 64 * 128
+
+
+def _run_wide(warps: int, suffix: str, y, x8, a_scale, a_stride, w8, w_scale, residual, fold_out, part) -> None:
+    """fp8_gemv_w2x{warps}: 32 token rows x 32 channels a block (fp8_gemm.cu fp8_gemv_wide)."""
+    check_tensor(x8, "x8", CODES, align=16)  # the token rows' cp.async
+    M, N = x8.shape[0], w8.shape[0]
+    fn = build.get_function("fp8_gemm.cu", f"fp8_gemv_w2x{warps}{suffix}", GEMV_SIGNATURE)
+    fold = (None,) * 4 if fold_out is None else (fold_out.w, fold_out.xg, fold_out.part, fold_out.mx)
+    fn((cdiv(M, 32), cdiv(N, 32)), (32 * warps,), y, x8, a_scale, a_stride, w8, w_scale, residual, *fold, part, M,
+       N, x8.shape[1], shared=wide_ring(warps))
 
 
 def fp8_gemm_ref(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,

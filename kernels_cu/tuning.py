@@ -43,8 +43,9 @@ class Tuning:
     quant_fold_early_rows: int = 8
     # -- prefill graphs (kernels_cu/engine/graphs.py) --
     # A prefill of up to this many tokens (rows x length) is host-bound when eager (~25-80 us of host work a
-    # kernel), so a shape seen twice is captured and replayed; longer prefills are GPU-bound and stay eager.
-    prefill_graph_tokens: int = 1024
+    # kernel), so a shape seen twice is captured and replayed; longer prefills are GPU-bound and stay eager. fp8's
+    # faster GEMMs leave 2,048 still host-bound (H100, LLaMA-2-7B: 30.1 ms replayed against 32.2 eager; fp16 48.1 / 48.3).
+    prefill_graph_tokens: int = 2048
     # Each captured prefill keeps its own activation memory: keep only the most recently used few.
     prefill_graphs: int = 2
     # -- decode attention (attention_decode.py) --
@@ -121,9 +122,19 @@ class Tuning:
     # each weight fragment to fp16 once for all of them; 16-row blocks convert it once each) or 16 (H200, a
     # LLaMA-2-7B layer's four GEMVs at 32 rows: 90.8 us against 107.9).
     fp8_gemv_block_rows: int = 32
-    # ... and whether such 32-row blocks convert the weights on the integer pipe (fp8_gemv_mt4a: the same sums),
-    # leaving the conversion pipe to the activations: slower on the H200 (103.7 us against 90.8).
+    # ... and whether such 32-row blocks convert the weights on the integer pipe (fp8_gemv_mt4a: 16 channels a block,
+    # whatever fp8_gemv_block_channels says; the same sums), leaving the conversion pipe to the activations: slower
+    # on the H200 (103.7 us against 90.8).
     fp8_gemv_alu_weights: bool = False
+    # Output channels such a 32-row block owns: 16 (fp8_gemv_mt4) or 32 (fp8_gemv_w2x*: each warp two panels, the
+    # step's token rows staged beside its weight lines in shared memory, so each converted activation serves both and
+    # a block reads as many activation bytes from L2 as weight bytes, not twice; Hopper-sized shared memory, else
+    # mt4). H100, a LLaMA-2-7B layer's four at 32 rows: 94.3 us against 103.8; the engine at batch 32 +4.2%.
+    fp8_gemv_block_channels: int = 32
+    # ... and whether, where their grid exceeds the SMs (q|k|v, gate|up), they run as 4-warp blocks two a SM, so that
+    # one block's pipeline fill and epilogue run under the other's loads, or as 8-warp blocks one a SM (H100, gate|up
+    # at 32 rows: 40.3 us against 43.7).
+    fp8_gemv_wide_two_blocks: bool = True
     # Whether the deferred chain's fp8_quantize_fold writes its codes as fp16 values for GEMVs of 2-64 rows that then
     # convert only the weights (fp8_gemv_h*: 16-row blocks), instead of codes the GEMV converts per token tile:
     # slower on the H200 (135.0 us against 90.8; the engine at batch 32 -16.5%).

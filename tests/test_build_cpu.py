@@ -60,7 +60,8 @@ ENTRY_POINTS = {
                     for e in ("", "_res", "_silu")]
                    + [f"fp8_gemv_xq{r}{e}" for r in ("", "1") for e in ("", "_res", "_silu")]
                    + [f"fp8_gemv_nq{r}{e}" for r in ("", "1") for e in ("", "_silu")]
-                   + ["fp8_gemv_dq1", "fp8_gemv_dq1_res", "fp8_gemv_fq1", "fp8_gemv_fq1_silu"],
+                   + ["fp8_gemv_dq1", "fp8_gemv_dq1_res", "fp8_gemv_fq1", "fp8_gemv_fq1_silu"]
+                   + [f"fp8_gemv_w2x{w}{e}" for w in (4, 8) for e in ("", "_res", "_silu")],
 }
 
 
