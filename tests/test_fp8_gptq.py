@@ -162,3 +162,24 @@ def test_rounding_with_another_scheme_is_one_line(capsys, monkeypatch, model_dir
                           "-o", tmp_path / "q", "--device", "cpu")
     assert_one_line_error(code, err, "--rounding applies to --scheme fp8 and awq only")
     assert not (tmp_path / "q").exists()
+
+
+def test_gptq_hessians_read_the_first_gptq_tokens_of_the_text(model_dir, text_file):
+    """quantize_fp8's `gptq` config says how much calibration text GPTQ's Hessians (and the scale search) read: with
+    64 tokens of 4 windows of 32 the codes are those of the first 2 windows alone, and differ from all 4's."""
+    from calibrate.calibration import calibration_windows
+    from calibrate.quantize import FP8_GPTQ, quantize_fp8
+
+    loaded = load_model(str(model_dir))
+    weights = build_weights(loaded, torch.float32, "cpu")
+    windows = calibration_windows(loaded.tokenizer, DataConfig(source=str(text_file), samples=4, seq_len=32),
+                                  CFG.max_positions)  # [4, 32]
+    cfg = QuantConfig(scheme=Scheme.FP8)
+
+    def codes(model) -> torch.Tensor:
+        return model.layers[1].w_down.weight8.view(torch.uint8)  # [N, K]
+
+    first_two = codes(quantize_fp8(weights, cfg, None, windows=windows, gptq=GptqConfig(tokens=64)))
+    assert torch.equal(first_two, codes(quantize_fp8(weights, cfg, None, windows=windows[:2])))
+    assert not torch.equal(first_two, codes(quantize_fp8(weights, cfg, None, windows=windows)))
+    assert FP8_GPTQ.tokens == 32768 and FP8_GPTQ.damp == GptqConfig().damp  # the default: 64 windows of 512
