@@ -100,8 +100,12 @@ def test_greedy_tokens_equal_reference_for_32_steps(scheme):
 
 @pytest.mark.parametrize("scheme", ("fp16", "int8-dynamic", "awq"))
 def test_ragged_batch_equals_each_prompt_alone(scheme):
-    config = CONFIGS["gqa4-d64"]
-    eng, _ = engine_and_ref(config, scheme)
+    check_ragged_batch(engine_and_ref(CONFIGS["gqa4-d64"], scheme)[0])
+
+
+def check_ragged_batch(eng) -> None:
+    """Four prompts of different lengths generated as one batch give each prompt's tokens alone."""
+    config = eng.config
     tok = Tokenizer.byte_fallback(config.vocab_size)
     cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
     prompts = [tok.encode(p) for p in ("a", "a much longer prompt than the first one", "middle one", "xy z")]
@@ -160,7 +164,7 @@ def test_prefill_graph_replays_equal_eager_prefills(scheme):
     # keys: (rows, length, starts, last): forward(last=True) computes other logits and has graphs of its own
     assert len(cache.prefill_graphs) == DEFAULT.prefill_graphs and ((0,), 5, (0,), False) in cache.prefill_graphs
     assert ((0, 1), 24, (0, 0), False) not in cache.prefill_graphs
-    long = torch.randint(0, config.vocab_size, (8, DEFAULT.prefill_graph_tokens // 8 + 1))  # 8 x 257 tokens
+    long = torch.randint(0, config.vocab_size, (8, DEFAULT.prefill_graph_tokens // 8 + 1))  # [8, limit / 8 + 1]: over the limit
     for _ in range(2):
         big = graphed.new_cache(8, long.shape[1] + 1)
         graphed.forward(long, big)

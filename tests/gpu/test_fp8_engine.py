@@ -28,7 +28,7 @@ from model_zoo.reference import ReferenceModel  # noqa: E402
 from model_zoo.sampling import SamplingConfig  # noqa: E402
 from model_zoo.tokenizer import Tokenizer  # noqa: E402
 from model_zoo.weights import ModelWeights, random_state_dict  # noqa: E402
-from tests.gpu.test_engine import CONFIGS, decode_steps, rel  # noqa: E402
+from tests.gpu.test_engine import CONFIGS, check_ragged_batch, decode_steps, rel  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and has_fp8(torch.cuda.current_device())),
@@ -87,14 +87,7 @@ def test_greedy_tokens_equal_reference_for_32_steps(scheme):
 
 
 def test_ragged_batch_equals_each_prompt_alone():
-    config = CONFIGS["gqa4-d64"]
-    eng, _ = engine_and_ref(config, "fp8-dynamic")
-    tok = Tokenizer.byte_fallback(config.vocab_size)
-    cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
-    prompts = [tok.encode(p) for p in ("a", "a much longer prompt than the first one", "middle one", "xy z")]
-    batch = generate(eng, tok, prompts, cfg)[0]
-    for p, row in zip(prompts, batch):
-        assert row.tokens == generate(eng, tok, [p], cfg)[0][0].tokens
+    check_ragged_batch(engine_and_ref(CONFIGS["gqa4-d64"], "fp8-dynamic")[0])
 
 
 def test_graph_replay_equals_eager_decode_and_the_plan():
