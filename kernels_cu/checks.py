@@ -8,7 +8,7 @@ from model_zoo.errors import ConfigError
 
 MAX_THREADS = 1024
 ROW_THREADS = 256  # row kernels keep <= 256 threads while a row fits in 4 vectors per thread
-ROW_THREADS_NV8 = 512  # the 8-vector instantiations are compiled with __launch_bounds__(512)
+ROW_THREADS_NV8 = 512  # the 8-vector instantiations are compiled with __launch_bounds__(512) (row_quant.cuh)
 
 
 def check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype | tuple[torch.dtype, ...],

@@ -16,7 +16,7 @@
 using namespace fllama;
 
 #define FLLAMA_FP8_QUANTIZE_ENTRY(NAME, NV, QMODE)                                                               \
-    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                           \
+    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                          \
         fp8_quantize_##NAME##_nv##NV(uint8_t* q, float* a_scale, const float* static_scale, const __half* x,    \
                                      int K) {                                                                    \
         pdl_enter();                                                                                             \
@@ -27,10 +27,7 @@ using namespace fllama;
     FLLAMA_FP8_QUANTIZE_ENTRY(dyn, NV, QUANT_DYNAMIC)     \
     FLLAMA_FP8_QUANTIZE_ENTRY(static, NV, QUANT_STATIC)
 
-FLLAMA_FP8_QUANTIZE_VARIANTS(1)
-FLLAMA_FP8_QUANTIZE_VARIANTS(2)
-FLLAMA_FP8_QUANTIZE_VARIANTS(4)
-FLLAMA_FP8_QUANTIZE_VARIANTS(8)
+FLLAMA_ROW_WIDTHS(FLLAMA_FP8_QUANTIZE_VARIANTS)
 
 // fp8_quantize_fold(x8 e4m3 [T,K], a_scale f32 [T], mx f32 [T,C], sq f32 [T,C] or null, static_scale f32 [1] or
 // null, x fp16 [T,K], int K, float eps, int C): x with C partial maxima of each row (attention's units, the SwiGLU
@@ -81,13 +78,13 @@ FLLAMA_FP8_QUANTIZE_FOLD(fp8_quantize_fold_h, true)
 // the fp8 rule in registers: rmsnorm (add_rmsnorm) or silu_mul_interleaved, then fp8_quantize, in one kernel with
 // their bits. Arguments as rmsnorm.cu's and silu_mul.cu's entries, q e4m3 codes.
 #define FLLAMA_FP8_RMSNORM_ENTRY(NAME, NV, RESIDUAL, QMODE)                                                     \
-    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                           \
+    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                          \
         fp8_rmsnorm_##NAME##_nv##NV(__half* out, uint8_t* q, float* a_scale, const float* static_scale,         \
                                     __half* residual, const __half* x, const __half* w, int H, float eps) {     \
         rmsnorm_row<NV, RESIDUAL, QMODE, Fp8Rule>(out, q, a_scale, static_scale, residual, x, w, H, eps);       \
     }
 #define FLLAMA_FP8_SILU_ENTRY(NAME, NV, QMODE)                                                                  \
-    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                           \
+    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                          \
         fp8_silu_mul_##NAME##_nv##NV(uint8_t* q, float* a_scale, const float* static_scale,                     \
                                      const __half* gate_up, int F) {                                             \
         pdl_enter();                                                                                             \
@@ -101,7 +98,4 @@ FLLAMA_FP8_QUANTIZE_FOLD(fp8_quantize_fold_h, true)
     FLLAMA_FP8_SILU_ENTRY(dyn, NV, QUANT_DYNAMIC)                     \
     FLLAMA_FP8_SILU_ENTRY(static, NV, QUANT_STATIC)
 
-FLLAMA_FP8_ROW_VARIANTS(1)
-FLLAMA_FP8_ROW_VARIANTS(2)
-FLLAMA_FP8_ROW_VARIANTS(4)
-FLLAMA_FP8_ROW_VARIANTS(8)
+FLLAMA_ROW_WIDTHS(FLLAMA_FP8_ROW_VARIANTS)

@@ -15,7 +15,7 @@
 using namespace fllama;
 
 #define FLLAMA_QUANTIZE_ENTRY(NAME, NV, QMODE)                                                          \
-    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                  \
+    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                 \
         quantize_##NAME##_nv##NV(int8_t* q, float* a_scale, const float* static_amax, const __half* x, \
                                  int K) {                                                               \
         pdl_enter();                                                                                    \
@@ -26,10 +26,7 @@ using namespace fllama;
     FLLAMA_QUANTIZE_ENTRY(dyn, NV, QUANT_DYNAMIC)    \
     FLLAMA_QUANTIZE_ENTRY(static, NV, QUANT_STATIC)
 
-FLLAMA_QUANTIZE_VARIANTS(1)
-FLLAMA_QUANTIZE_VARIANTS(2)
-FLLAMA_QUANTIZE_VARIANTS(4)
-FLLAMA_QUANTIZE_VARIANTS(8)
+FLLAMA_ROW_WIDTHS(FLLAMA_QUANTIZE_VARIANTS)
 
 constexpr int PARTS_THREADS = 128;
 

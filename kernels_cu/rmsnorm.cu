@@ -17,7 +17,7 @@
 using namespace fllama;
 
 #define FLLAMA_RMSNORM_ENTRY(NAME, NV, RESIDUAL, QMODE)                                                   \
-    extern "C" __global__ void __launch_bounds__(NV == 8 ? 512 : 256)                                     \
+    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                    \
         rmsnorm_##NAME##_nv##NV(__half* out, int8_t* q, float* a_scale, const float* static_amax,          \
                                 __half* residual, const __half* x, const __half* w, int H, float eps) {    \
         rmsnorm_row<NV, RESIDUAL, QMODE>(out, reinterpret_cast<uint8_t*>(q), a_scale, static_amax, residual, x, \
@@ -32,7 +32,4 @@ using namespace fllama;
     FLLAMA_RMSNORM_ENTRY(add_dyn, NV, true, QUANT_DYNAMIC)              \
     FLLAMA_RMSNORM_ENTRY(add_static, NV, true, QUANT_STATIC)
 
-FLLAMA_RMSNORM_VARIANTS(1)
-FLLAMA_RMSNORM_VARIANTS(2)
-FLLAMA_RMSNORM_VARIANTS(4)
-FLLAMA_RMSNORM_VARIANTS(8)
+FLLAMA_ROW_WIDTHS(FLLAMA_RMSNORM_VARIANTS)

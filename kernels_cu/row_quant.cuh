@@ -7,6 +7,11 @@
 #include "common.cuh"
 #include "deferred_quant.cuh"
 
+// The row kernels' widths (NV 16-byte vectors a thread) and block bounds, as kernels_cu/checks.py row_launch picks
+// them: up to 256 threads at 1, 2 or 4 vectors, up to 512 at 8. M(NV) instantiates one width's entry points.
+#define FLLAMA_ROW_BOUNDS(NV) __launch_bounds__((NV) == 8 ? 512 : 256)
+#define FLLAMA_ROW_WIDTHS(M) M(1) M(2) M(4) M(8)
+
 namespace fllama {
 
 // The row's vectors v[j] = f(c) for this thread's c < n_vec; returns this thread's max |v|.
