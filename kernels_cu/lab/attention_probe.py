@@ -2,8 +2,8 @@
 
 Builds attention_decode.cu with -DFLLAMA_ATTN_PROBE (thread 0 of every fused block stamps %globaltimer at its
 phases; the engine's build never has it) and prints, per phase, when the blocks reach it, in us after the
-first block entered: the median block and the last block, medians over launches. Three settings, LLaMA-2-7B
-attention at batch 1 (RoPE mode, as the engine calls it):
+first block entered: the median block and the last block, medians over launches. Three settings, a preset's
+attention at batch 1 (`--model`, default LLaMA-2-7B; RoPE mode, as the engine calls it):
     cold    stand-alone launches after a 256 MiB write that evicts the cache from L2
     warm    the same launch repeated at once (K/V in L2)
     engine  the engine's decode graph (a few layers, programmatic launch on): the last layer's attention,
@@ -86,11 +86,13 @@ def summarize(name: str, runs: list[list[tuple[float, float, int]]]) -> None:
         print(f"  {p} {phase:<16} {med:8.2f} {last:8.2f}   ({n} blocks)")
 
 
-def standalone(ctx: int, cap: int, launches: int) -> None:
+def standalone(model: str, ctx: int, cap: int, launches: int) -> None:
     from kernels_cu import attention_decode as ad
     from kernels_cu import build
+    from model_zoo.config import LlamaConfig
 
-    B, H, Hkv, D = 1, 32, 32, 128
+    c = LlamaConfig.from_name(model)
+    B, H, Hkv, D = 1, c.n_heads, c.n_kv_heads, c.head_dim
     with build.on_stream():
         k = torch.randn(B, Hkv, cap, D, device="cuda", dtype=torch.float16)
         v = torch.randn(B, Hkv, cap, D, device="cuda", dtype=torch.float16)
@@ -113,17 +115,17 @@ def standalone(ctx: int, cap: int, launches: int) -> None:
             with build.on_stream():
                 call()
             runs.append(phase_times(read_probe(bufs)))
-        summarize(f"stand-alone {name}, batch 1, ctx {ctx}", runs)
+        summarize(f"stand-alone {name}, {model} H={H} Hkv={Hkv}, batch 1, ctx {ctx}", runs)
 
 
-def engine_run(scheme: str, ctx: int, layers: int, steps: int) -> None:
+def engine_run(model: str, scheme: str, ctx: int, layers: int, steps: int) -> None:
     from kernels_cu.bench import random_weights
     from kernels_cu.engine import Engine, EngineConfig
     from model_zoo.config import LlamaConfig
     from model_zoo.sampling import SamplingConfig
 
     dev = torch.device("cuda")
-    config = dataclasses.replace(LlamaConfig.from_name("llama2-7b"), n_layers=layers)
+    config = dataclasses.replace(LlamaConfig.from_name(model), n_layers=layers)
     engine = Engine(random_weights(config, scheme, dev), EngineConfig(max_len=ctx + steps + 64))
     sampler = engine.make_sampler(SamplingConfig(temperature=0), 1)
     cache = engine.new_cache(1, ctx + steps + 64)
@@ -136,11 +138,12 @@ def engine_run(scheme: str, ctx: int, layers: int, steps: int) -> None:
         clear_probe(bufs)
         engine.replay_steps(cache, 1)
         runs.append(phase_times(read_probe(bufs)))
-    summarize(f"engine {scheme}, batch 1, ctx ~{ctx}, layer {layers - 1} of a {layers}-layer graph", runs)
+    summarize(f"engine {model} {scheme}, batch 1, ctx ~{ctx}, layer {layers - 1} of a {layers}-layer graph", runs)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama2-7b", help="the preset whose attention shape is probed")
     ap.add_argument("--ctx", type=int, default=576)
     ap.add_argument("--cap", type=int, default=641, help="cache positions per row (the bench's max_len + 1)")
     ap.add_argument("--launches", type=int, default=30)
@@ -155,9 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("kernels_cu.build was imported before the probe flag was set: run this as its own process")
     build.require_cuda()
     print(torch.cuda.get_device_name())
-    standalone(args.ctx, max(args.cap, args.ctx + 1), args.launches)
+    standalone(args.model, args.ctx, max(args.cap, args.ctx + 1), args.launches)
     for scheme in (s for s in args.engine.split(",") if s):
-        engine_run(scheme, args.ctx, args.layers, args.launches)
+        engine_run(args.model, scheme, args.ctx, args.layers, args.launches)
 
 
 if __name__ == "__main__":
