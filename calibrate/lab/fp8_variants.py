@@ -82,6 +82,32 @@ class ActsOnly:
         return self
 
 
+def lab_setup(args: argparse.Namespace) -> tuple:
+    """(loaded, fp32 weights, stats, calibration windows [128, 512]) of the real SmolLM2, as the lab drivers read
+    them (args: threads, out, stats)."""
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(None, dtype=torch.float32)
+    weights = build_weights(loaded, torch.float32, "cpu")
+    stats = CalibStats.load(args.stats)
+    stats.check_model(loaded.config)
+    cwin = calibration_windows(loaded.tokenizer, DataConfig(stats.meta["source"], stats.meta["samples"], SEQ),
+                               loaded.config.max_positions)  # [128, 512]
+    return loaded, weights, stats, cwin
+
+
+def cached_recapture(out: Path, alpha: float | None, cwin: torch.Tensor, stats: CalibStats, cap: CaptureConfig):
+    """The quantizers' re-capture of a smoothed model, cached in `out` per alpha (the windows and stats never vary)."""
+
+    def recapture(model: ModelWeights):
+        path = out / f"points_smooth{alpha}.pt"
+        if not path.exists():
+            torch.save(capture_stats(model, cwin, stats.meta.get("bins", 2048), cap), path)
+        return torch.load(path, weights_only=False)
+
+    return recapture
+
+
 def as_exported(weights: ModelWeights) -> ModelWeights:
     """What a checkpoint gives back: embedding, norms and lm_head stored in fp16."""
     h = lambda t: t.half().float()  # noqa: E731
@@ -203,14 +229,7 @@ def main() -> None:
     ap.add_argument("--tag", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(None, dtype=torch.float32)
-    weights = build_weights(loaded, torch.float32, "cpu")
-    stats = CalibStats.load(args.stats)
-    stats.check_model(loaded.config)
-    cwin = calibration_windows(loaded.tokenizer, DataConfig(stats.meta["source"], stats.meta["samples"], SEQ),
-                               loaded.config.max_positions)  # [128, 512]
+    loaded, weights, stats, cwin = lab_setup(args)
     ewin = token_windows(loaded.tokenizer.encode(load_text("gutenberg:sherlock")), SEQ, EVAL_TOKENS)[: args.windows]
     if args.eval_text == "heldout":  # the windows after the stats' own
         n = stats.meta["samples"]
@@ -255,13 +274,7 @@ def main() -> None:
     else:
         cfg = QuantConfig(scheme=Scheme.FP8, act=ActQuant(args.act), percentile=args.percentile, smooth=args.smooth,
                           calibrator=CalibMethod(args.calibrator) if args.calibrator else None)
-
-        def recapture(model: ModelWeights):
-            path = args.out / f"points_smooth{args.smooth}.pt"
-            if not path.exists():
-                torch.save(capture_stats(model, cwin, stats.meta.get("bins", 2048), cap), path)
-            return torch.load(path, weights_only=False)
-
+        recapture = cached_recapture(args.out, args.smooth, cwin, stats, cap)
         q = quantize_fp8(weights, cfg, stats, recapture, None, cwin, cap, gptq)
         extra["config"] = cfg.describe()
     extra["quantize_s"] = round(time.time() - t0, 1)
