@@ -310,7 +310,8 @@ extern "C" __global__ void __launch_bounds__(128)
 // Timing probe (-DFLLAMA_ATTN_PROBE, never in the engine's build): thread 0 of each fused block stamps
 // %globaltimer at its phases into fllama_attn_probe[block][phase] (phase 9: the SM), read back by
 // kernels_cu.lab.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
-// 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit.
+// 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit; 8: the two-pass combine's weights
+// ready (its first pass).
 #ifdef FLLAMA_ATTN_PROBE
 __device__ unsigned long long fllama_attn_probe[8192][10];
 __device__ __forceinline__ void attn_stamp(int phase) {
@@ -960,6 +961,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             if (lane == 0) s_l[h] = l;
         }
         __syncthreads();
+        attn_stamp(8);
         for (int e = tid; e < slots * D; e += THREADS) {
             const int h = e / D, d = e % D;
             float acc = 0.0f;

@@ -22,8 +22,8 @@ import torch
 PROBE_FLAG = "-DFLLAMA_ATTN_PROBE"
 
 PHASES = ("entry", "split known", "copies issued", "stage 0 landed", "loop done", "partial written",
-          "cluster barrier", "exit")
-SLOTS = 10  # u64 per block: 8 phases, unused, the SM
+          "cluster barrier", "exit", "combine weights")  # the last: the two-pass combine's first pass done
+SLOTS = 10  # u64 per block: 9 phases, the SM
 
 
 def probe_buffers() -> list[tuple[int, int]]:
