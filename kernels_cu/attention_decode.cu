@@ -917,7 +917,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     }
     attn_stamp(6);
     // a pushing cluster's block 0 reads its own shared memory: one pass while each thread has one element (no GQA),
-    // the two below beyond (GQA-4 at 576 positions: 7.4 us against 8.4 on the H100; one query head: 7.7 against 7.5)
+    // the two below beyond (they measure faster with a GQA unit's several heads, slower with one; docs/gpu.md)
     const bool one_pass = !push || slots * D <= THREADS;
     if (CL && one_pass && n_act > 1 && split == 0) {
         // Block 0 of the cluster. Each thread issues every remote load it needs at once (lane c's (m_c, l_c),

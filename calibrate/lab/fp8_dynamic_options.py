@@ -37,7 +37,8 @@ import torch
 
 from calibrate.capture import CaptureConfig
 from calibrate.gptq_round import GptqConfig, LayerHessians, gptq_round
-from calibrate.lab.fp8_variants import SEQ, EVAL_TOKENS, baseline, cached_recapture, evaluate, lab_setup
+from calibrate.lab.fp8_variants import (SEQ, EVAL_TOKENS, FakeLinear, baseline, cached_recapture, evaluate,
+                                        lab_setup)
 from calibrate.methods import CalibMethod
 from calibrate.quantize import FP8_GPTQ, POINT_OF, QuantConfig, _fp8_weight, quantize_fp8, quantize_int8
 from calibrate.stats import POINT_KINDS
@@ -49,38 +50,6 @@ from model_zoo.text_sources import load_text, token_windows
 from model_zoo.weights import ModelWeights
 
 Key = tuple[int, str]  # (layer, capture-point kind)
-
-
-def fake_e4m3(x: torch.Tensor, acts: str) -> torch.Tensor:
-    """x [M, K] fp32 -> its dynamic e4m3 rounding: per token, per group of G inputs ('gG'), or none."""
-    if acts == "none":
-        return x
-    m, k = x.shape
-    g = k if acts == "token" else int(acts[1:])
-    pad = -k % g
-    xp = torch.nn.functional.pad(x, (0, pad)).view(m, -1, g)  # [M, ceil(K/G), G]; zeros change no group's amax
-    s = xp.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_MIN) / FP8_MAX  # [M, groups, 1]
-    q = to_e4m3(xp * (1.0 / s)).float() * s  # [M, groups, G]: fp8.py's order, one division per scale
-    return q.reshape(m, -1)[:, :k]
-
-
-class FakeLinear:
-    """W [N, K] (fp32: e4m3 codes times their scales, or the fp16 export's values) reading fake_e4m3(x)."""
-
-    def __init__(self, w: torch.Tensor, acts: str):
-        self.w, self.acts = w.float(), acts  # [N, K]
-        self.out_features, self.in_features = w.shape
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-        y = fake_e4m3(x2, self.acts) @ self.w.T  # [M, N]
-        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
-
-    def dense_weight(self) -> torch.Tensor:
-        return self.w
-
-    def to(self, device=None, dtype=None) -> "FakeLinear":
-        return self
 
 
 def parse_keys(spec: str | None, n_layers: int) -> set[Key]:

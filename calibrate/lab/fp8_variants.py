@@ -54,7 +54,7 @@ from model_zoo.load import load_model
 from model_zoo.quant.checkpoint import build_weights
 from model_zoo.quant.formats import Scheme
 from model_zoo.quant.fp8 import FP8_MAX, to_e4m3
-from model_zoo.quant.int8 import ActQuant
+from model_zoo.quant.int8 import AMAX_MIN, ActQuant
 from model_zoo.quant.linear import Fp8Linear
 from model_zoo.text_sources import load_text, token_windows
 from model_zoo.weights import ModelWeights
@@ -63,22 +63,36 @@ SEQ, EVAL_TOKENS, HELD_OUT = 512, 16384, 8
 CANDIDATES = ("max", "mse", "entropy")  # --choose-kinds
 
 
-class ActsOnly:
-    """A float weight W [N, K] (fp16-rounded, as the fp16 export holds it) reading dynamic per-token e4m3
-    activations (model_zoo.quant.fp8's rule): what the activations alone cost."""
+def fake_e4m3(x: torch.Tensor, acts: str) -> torch.Tensor:
+    """x [M, K] fp32 -> its dynamic e4m3 rounding: per token, per group of G inputs ('gG'), or none."""
+    if acts == "none":
+        return x
+    m, k = x.shape
+    g = k if acts == "token" else int(acts[1:])
+    pad = -k % g
+    xp = torch.nn.functional.pad(x, (0, pad)).view(m, -1, g)  # [M, ceil(K/G), G]; zeros change no group's amax
+    s = xp.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_MIN) / FP8_MAX  # [M, groups, 1]
+    q = to_e4m3(xp * (1.0 / s)).float() * s  # [M, groups, G]: fp8.py's order, one division per scale
+    return q.reshape(m, -1)[:, :k]
 
-    def __init__(self, w: torch.Tensor):
-        self.w = w.float().half().float()  # [N, K]
+
+class FakeLinear:
+    """W [N, K] (fp32: e4m3 codes times their scales, or the fp16 export's values) reading fake_e4m3(x); with the
+    export's weights and per-token activations, what the activations alone cost."""
+
+    def __init__(self, w: torch.Tensor, acts: str):
+        self.w, self.acts = w.float(), acts  # [N, K]
         self.out_features, self.in_features = w.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / FP8_MAX  # [M, 1]
-        return ((to_e4m3(x.float() * (1.0 / s)).float() * s) @ self.w.T).to(x.dtype)  # [M, N]
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+        y = fake_e4m3(x2, self.acts) @ self.w.T  # [M, N]
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     def dense_weight(self) -> torch.Tensor:
         return self.w
 
-    def to(self, device=None, dtype=None) -> "ActsOnly":
+    def to(self, device=None, dtype=None) -> "FakeLinear":
         return self
 
 
@@ -265,7 +279,7 @@ def main() -> None:
         q = with_static_mix(weights, dynamic_layers(), stats, {k: args.calibrator for k in POINT_KINDS}, args.headroom)
     elif args.acts_only:
         model = smoothed(weights, stats, args.smooth) if args.smooth is not None else weights
-        q = replace(model, layers=[replace(l, **{a: ActsOnly(lin.dense_weight()) for a, lin in l.linears().items()})
+        q = replace(model, layers=[replace(l, **{a: FakeLinear(lin.dense_weight().half().float(), "token") for a, lin in l.linears().items()})
                                    for l in model.layers])
     elif args.calibrator and kind_mix(args.calibrator):
         if args.smooth is not None:  # the stats' ranges describe the unsmoothed activations
