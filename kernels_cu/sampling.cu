@@ -24,7 +24,13 @@
 //   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order.
 // Random numbers: Philox-4x32-10 keyed by the row's seed, counter = its draw counter, so replays of one graph
 // draw fresh numbers and a row's stream depends neither on the batch it runs in nor on its slot.
+// *_cl entries (sm_90): grid (P, n), each row's P blocks one thread-block cluster. The max/argmax pass, which
+// one block runs at ~12 instructions a token on one SM (14 us at 128k tokens), is split into P contiguous slices
+// of whole 8-token chunks; blocks 1..P-1 push their winner into block 0's shared memory and exit, and block 0
+// goes on as the one-block kernel does (the sampled paths re-read the whole row), with the same argmax.
+#include "block_reduce.cuh"
 #include "common.cuh"
+#include "philox.cuh"
 
 using namespace fllama;
 
@@ -32,28 +38,7 @@ constexpr int SAMPLE_THREADS = 1024;
 constexpr int MAX_K = 1024;
 constexpr int CAND_CAP = 2048;
 constexpr int EOS_EARLY = 4;  // end-of-sequence ids read before the PDL wait (more are read after it)
-
-// ---------------------------------------------------------------- Philox-4x32-10
-
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
-    constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
-#pragma unroll
-    for (int round = 0; round < 10; ++round) {
-        const uint32_t hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
-        const uint32_t hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
-        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
-        k.x += W0;
-        k.y += W1;
-    }
-    return c;
-}
-
-// Uniform in [0, 1) with 24 random bits.
-__device__ __forceinline__ float uniform01(unsigned long long seed, unsigned long long counter) {
-    const uint4 ctr = make_uint4((uint32_t)counter, (uint32_t)(counter >> 32), 0u, 0x5a3f1c27u);
-    const uint4 r = philox4x32_10(ctr, make_uint2((uint32_t)seed, (uint32_t)(seed >> 32)));
-    return (float)(r.x >> 8) * (1.0f / 16777216.0f);
-}
+constexpr int CLUSTER_MAX = 16;  // blocks per cluster of the _cl entries (non-portable above 8; H100 / H200: 16)
 
 // ---------------------------------------------------------------- ordered keys
 
@@ -65,67 +50,6 @@ __device__ __forceinline__ uint32_t float_key(float x) {
 
 __device__ __forceinline__ float key_float(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// ---------------------------------------------------------------- block helpers
-
-struct ArgMax {
-    float v;
-    int i;
-};
-
-__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
-    return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
-}
-
-__device__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
-        a = better(a, other);
-    }
-    __syncthreads();
-    if (lane == 0) {
-        sv[warp] = a.v;
-        si[warp] = a.i;
-    }
-    __syncthreads();
-    a = lane < n_warps ? ArgMax{sv[lane], si[lane]} : ArgMax{-INFINITY, 0x7fffffff};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
-        a = better(a, other);
-    }
-    return a;
-}
-
-// Inclusive prefix sum over the block in thread order; incl[] (blockDim floats of shared memory) keeps
-// every thread's inclusive value so thread t's exclusive sum is exactly incl[t - 1].
-__device__ float block_inclusive_scan(float v, float* incl, float* warp_tot) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float n = __shfl_up_sync(FULL_MASK, v, o);
-        if (lane >= o) v += n;
-    }
-    __syncthreads();
-    if (lane == 31) warp_tot[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < n_warps ? warp_tot[lane] : 0.0f;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const float n = __shfl_up_sync(FULL_MASK, w, o);
-            if (lane >= o) w += n;
-        }
-        warp_tot[lane] = w;
-    }
-    __syncthreads();
-    if (warp > 0) v += warp_tot[warp - 1];
-    incl[threadIdx.x] = v;
-    __syncthreads();
-    return v;
 }
 
 // ---------------------------------------------------------------- the row
@@ -145,26 +69,25 @@ struct Row {
     __device__ __forceinline__ float value(int v) const { return value_of(v, static_cast<float>(logits[v])); }
 };
 
-// f(v, value) for every token v of the row this thread owns, in increasing v (so "first seen" is "lowest
-// index" within a thread): chunks of 8 consecutive tokens, chunk c to thread c % blockDim, U chunks' loads
-// issued together: a loop of one dependent 2-byte load per token (32 per thread at V = 32000) would make the
-// greedy step's sampling a chain of L2 round trips (~15 us a step).
+// f(v, value) for every token v of chunks [c_lo, c_hi) of the row this thread owns, in increasing v (so "first
+// seen" is "lowest index" within a thread): chunks of 8 consecutive tokens, chunk c to thread (c - c_lo) % blockDim,
+// U chunks' loads issued together: a loop of one dependent 2-byte load per token (32 per thread at V = 32000)
+// would make the greedy step's sampling a chain of L2 round trips (~15 us a step).
 template <typename T, typename F>
-__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
+__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, int c_lo, int c_hi, F&& f) {
     constexpr int PER_VEC = 16 / sizeof(T);  // tokens per 16-byte load
     constexpr int VECS = 8 / PER_VEC;         // 16-byte loads per chunk
     // chunks in flight per thread (16 registers of raw logits): fp16 4, so that V = 32000 at 1024 threads is one
     // round of loads (two with 2, one L2 round trip more in every decode step); fp32 2
     constexpr int U = sizeof(T) == 2 ? 4 : 2;
-    const int chunks = (V + 7) / 8;
     // the 16-byte loads need every row start aligned: V % 8 == 0 (else one load per token, still U chunks at once)
     const bool vec = V % 8 == 0;
-    for (int c0 = threadIdx.x; c0 < chunks; c0 += U * blockDim.x) {
+    for (int c0 = c_lo + threadIdx.x; c0 < c_hi; c0 += U * blockDim.x) {
         uint4 raw[U][VECS];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + u * blockDim.x;
-            if (c >= chunks) continue;
+            if (c >= c_hi) continue;
             if (vec) {
 #pragma unroll
                 for (int i = 0; i < VECS; ++i) raw[u][i] = __ldcg(reinterpret_cast<const uint4*>(row.logits + 8 * c) + i);
@@ -177,7 +100,7 @@ __device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) 
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + u * blockDim.x;
-            if (c >= chunks) continue;
+            if (c >= c_hi) continue;
             const T* t = reinterpret_cast<const T*>(raw[u]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
@@ -188,6 +111,11 @@ __device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) 
     }
 }
 
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
+    for_each_value(row, V, 0, (V + 7) / 8, f);
+}
+
 struct Shared {
     float fv[32];
     int fi[32];
@@ -196,6 +124,7 @@ struct Shared {
     float incl[SAMPLE_THREADS];
     int n_cand;
     int pick;
+    float part_v[CLUSTER_MAX], part_i[CLUSTER_MAX];  // _cl, block 0: the other blocks' winners (cluster_argmax)
     int eos[EOS_EARLY];  // thread 0's, from before the wait (shared memory: no registers held through the row)
     int new_length;
     uint32_t digit;
@@ -252,35 +181,41 @@ struct StepOut {
     }
 };
 
-template <typename T>
+// CL: the _cl entries (grid (P, n), a cluster of P blocks a row), else one block a row (grid (n)).
+template <typename T, bool CL>
 __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, int* __restrict__ finished,
                            long long* __restrict__ rng, const T* __restrict__ logits,
                            const float* __restrict__ params, const int* __restrict__ eos_ids, int n_eos, int V,
                            StepOut step, const int* __restrict__ rows) {
     __shared__ Shared sh;
-    const int i_out = blockIdx.x, tid = threadIdx.x;
+    const int i_out = CL ? blockIdx.y : blockIdx.x, tid = threadIdx.x;
+    const int rank = CL ? blockIdx.x : 0, P = CL ? gridDim.x : 1;  // rank: the block's place in its row's cluster
+    if (CL) cluster_arrive_relaxed();  // phase 1 (cluster_argmax): this block has started
     const int b = rows != nullptr ? rows[i_out] : i_out;  // the state row; logits and out are indexed by i_out
     // Before the PDL wait, the row's state: only earlier launches of this kernel (their steps long complete) and
     // the host write finished, params, rng, eos_ids and the step's lengths / active, so only the logits, which
     // the kernel before this one writes, wait. In a decode step that is four L2 round trips fewer after the
-    // lm_head GEMV.
+    // lm_head GEMV. Every block of a cluster reads the same row state, so all of them leave together or none.
     const int is_finished = finished[b];
     // a decode graph covers rows that are not decoding (free slots, rows still prefilling): they draw nothing, so
     // their seen mask and draw counter stay as the host set them
     const bool idle = step.active != nullptr && step.active[b] == 0;
     const float temperature = params[4 * b], top_p = params[4 * b + 2], penalty = params[4 * b + 3];
     const int top_k = min(max(__float2int_rn(params[4 * b + 1]), 0), MAX_K);
-    const unsigned long long seed = (unsigned long long)rng[2 * b];
-    const unsigned long long counter = (unsigned long long)rng[2 * b + 1];
-    if (tid == 0) {  // thread 0 alone writes and reads these
+    unsigned long long seed = 0, counter = 0;
+    if (rank == 0) {  // what only block 0 reads: the draw and the bookkeeping are its alone
+        seed = (unsigned long long)rng[2 * b];
+        counter = (unsigned long long)rng[2 * b + 1];
+        if (tid == 0) {  // thread 0 alone writes and reads these
 #pragma unroll
-        for (int i = 0; i < EOS_EARLY; ++i) sh.eos[i] = i < n_eos ? eos_ids[i] : eos_ids[0];
-        sh.new_length = step.new_length(b);
+            for (int i = 0; i < EOS_EARLY; ++i) sh.eos[i] = i < n_eos ? eos_ids[i] : eos_ids[0];
+            sh.new_length = step.new_length(b);
+        }
     }
     pdl_enter();
     if (idle) return;
     if (is_finished) {
-        if (tid == 0) {
+        if (rank == 0 && tid == 0) {
             out[i_out] = sh.eos[0];
             step.write(b, sh.eos[0], sh.new_length);
         }
@@ -289,13 +224,17 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     Row<T> row{logits + (size_t)i_out * V, seen + (size_t)b * V, penalty, temperature, false};
     int token;
 
-    // max (and argmax, the greedy answer and the fallback of the draws)
+    // max (and argmax, the greedy answer and the fallback of the draws), over this block's slice of the row's
+    // 8-token chunks (16-byte aligned wherever V % 8 == 0): the whole row without a cluster
     row.scaled = !(temperature <= 0.0f || top_k == 1);
+    const int chunks = (V + 7) / 8, per_block = (chunks + P - 1) / P;
+    const int c_lo = min(chunks, rank * per_block), c_hi = min(chunks, c_lo + per_block);
     ArgMax best{-INFINITY, 0x7fffffff};
-    for_each_value(row, V, [&](int v, float x) {
+    for_each_value(row, V, c_lo, c_hi, [&](int v, float x) {
         if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
     });
     best = block_argmax(best, sh.fv, sh.fi);
+    if (CL && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: pushed, done
     const int argmax = best.i < V ? best.i : 0;
     const float m = best.v;
 
@@ -459,16 +398,15 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_f16(int* out, uint8_t* seen, int* finished, long long* rng, const __half* logits, const float* params,
-               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active, const int* rows) {
-    sample_row<__half>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active},
-                       rows);
-}
+#define FLLAMA_SAMPLE(NAME, T, CL)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                                                   \
+        NAME(int* out, uint8_t* seen, int* finished, long long* rng, const T* logits, const float* params,         \
+             const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active, const int* rows) { \
+        sample_row<T, CL>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V,                              \
+                          StepOut{next_ids, lengths, active}, rows);                                              \
+    }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_f32(int* out, uint8_t* seen, int* finished, long long* rng, const float* logits, const float* params,
-               const int* eos_ids, int n_eos, int V, int* next_ids, int* lengths, const int* active, const int* rows) {
-    sample_row<float>(out, seen, finished, rng, logits, params, eos_ids, n_eos, V, StepOut{next_ids, lengths, active},
-                      rows);
-}
+FLLAMA_SAMPLE(sample_f16, __half, false)
+FLLAMA_SAMPLE(sample_f32, float, false)
+FLLAMA_SAMPLE(sample_f16_cl, __half, true)
+FLLAMA_SAMPLE(sample_f32_cl, float, true)

@@ -11,17 +11,21 @@ Semantics follow model_zoo.sampling.TorchSampler (penalty, then greedy or temper
 softmax draw). Limits: top_k <= MAX_TOP_K; with top_p alone the nucleus is searched among the MAX_TOP_K
 largest logits (exact whenever the nucleus holds fewer tokens); ties at the k-th value are kept as in
 torch, up to 2048 candidates.
+
+On GPUs with thread-block clusters (sm_90) a row's max/argmax pass may run over P blocks, one cluster a row
+(`cluster_blocks`: tuning's sample_cluster_blocks, where the vocabulary is large enough and the clusters of
+the batch are resident at once); the tokens and the state are those of the one-block launch, bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from kernels_cu import build
+from kernels_cu import build, tuning
 from kernels_cu.checks import check_tensor
 from model_zoo.errors import ConfigError
 from model_zoo.sampling import SamplingConfig, apply_repetition_penalty, filter_top_k_top_p, fresh_seed, row_seed
@@ -31,6 +35,7 @@ SIGNATURE = "PPPPPPPiiPPPP"
 SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 THREADS = 1024
 MAX_TOP_K = 1024
+CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (sampling.cu; non-portable above 8)
 
 
 def params_row(cfg: SamplingConfig) -> list[float]:
@@ -89,10 +94,45 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finis
             check_tensor(getattr(step, name), name, torch.int32, (B,), align=4)
         step_args = (step.next_ids, step.lengths, step.active)
     if n:
-        name = "sample_f16" if logits.dtype == torch.float16 else "sample_f32"
-        fn = build.get_function("sampling.cu", name, SIGNATURE)
-        fn((n,), (THREADS,), out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V, *step_args, rows)
+        _launch(logits, (out, seen, finished, rng, logits, params, eos_ids, eos_ids.numel(), V, *step_args, rows))
     return out
+
+
+def cluster_blocks(n: int, V: int, blocks: int, min_vocab: int, max_clusters: Callable[[int], int] | None) -> int:
+    """Blocks per logits row: 1 (one block a row), or the largest P <= `blocks` (and <= the row's 8-token chunks)
+    whose n clusters the GPU holds at once (max_clusters(P); None: no clusters): a cluster that does not fit
+    waits for a whole one to finish, so a partial second wave costs more than a smaller P."""
+    if max_clusters is None or n == 0 or blocks < 2 or V < min_vocab:
+        return 1
+    for p in range(min(blocks, CLUSTER_MAX, -(-V // 8)), 1, -1):
+        if max_clusters(p) >= n:
+            return p
+    return 1
+
+
+def launch_blocks(n: int, V: int, dtype: torch.dtype, device_index: int) -> int:
+    """Blocks per row a launch of n rows of V logits takes on this GPU under the Tuning in force (1: one block a
+    row, the plain entry; more: the `_cl` entry)."""
+    t, max_clusters = tuning.current(), None
+    if t.sample_cluster_blocks > 1 and V >= t.sample_cluster_min_vocab and build.has_clusters(device_index):
+        fn_cl = build.get_function("sampling.cu", _entry(dtype) + "_cl", SIGNATURE)
+        max_clusters = lambda p: fn_cl.max_active_clusters((p, n), (THREADS,), 0, (p, 1, 1))  # noqa: E731
+    return cluster_blocks(n, V, t.sample_cluster_blocks, t.sample_cluster_min_vocab, max_clusters)
+
+
+def _entry(dtype: torch.dtype) -> str:
+    return "sample_f16" if dtype == torch.float16 else "sample_f32"
+
+
+def _launch(logits: torch.Tensor, args: tuple) -> None:
+    """One block a row (grid (n)), or a cluster of P blocks a row (grid (P, n))."""
+    n, V = logits.shape
+    P = launch_blocks(n, V, logits.dtype, logits.device.index or 0)
+    if P > 1:
+        fn = build.get_function("sampling.cu", _entry(logits.dtype) + "_cl", SIGNATURE)
+        fn((P, n), (THREADS,), *args, cluster=(P, 1, 1))
+    else:
+        build.get_function("sampling.cu", _entry(logits.dtype), SIGNATURE)((n,), (THREADS,), *args)
 
 
 def sampling_probs_ref(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

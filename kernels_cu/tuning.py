@@ -52,6 +52,15 @@ class Tuning:
     # Combine the split-sequence partials inside a thread-block cluster (distributed shared memory) on GPUs that
     # have clusters, instead of through a global workspace and a second pass.
     attention_clusters: bool = True
+    # -- GPU sampling (sampling.py) --
+    # Blocks a row's max/argmax pass runs over, as one thread-block cluster (sm_90; 0 or 1: one block a row): one
+    # block walks 128k logits on one SM at ~12 instructions a token. H200, greedy at 128,256 tokens: 13.0 us on one
+    # block, 5.5 on 8, 6.3 on 16; Llama-3-8B awq batch 1 +0.9% (8) / +0.7% (16), Llama-3.2-1B +1.6% / +1.4%.
+    sample_cluster_blocks: int = 8
+    # ... for vocabularies of at least this many tokens: one block loads 32,768 tokens in one round of 16-byte
+    # loads, where the cluster's barrier costs more than the split saves (H200, greedy: 32,000 tokens 5.4 us on one
+    # block against 5.7 on 8; 49,152: 6.9 against 4.5).
+    sample_cluster_min_vocab: int = 40_000
     # -- AWQ int4 linears (awq_gemv.py, awq_batch.py, awq_wgmma_decode.py, awq_gemm.py) --
     # Above this many rows the GEMV family re-reads the weight too often: dequantize once and use a GEMM.
     awq_gemv_max_m: int = 64
@@ -171,6 +180,12 @@ class Tuning:
     # Up to this many rows the int8-weight GEMV: a panel's 16-row tiles read the weight from DRAM about once;
     # dequantizing the head for cuBLAS each step would move more bytes than it saves.
     w8a16_gemv_max_m: int = 64
+
+    def __post_init__(self):
+        if not 0 <= self.sample_cluster_blocks <= 16:  # H100 / H200's largest cluster
+            raise ValueError(f"sample_cluster_blocks must be in [0, 16], got {self.sample_cluster_blocks}")
+        if self.sample_cluster_min_vocab < 0:
+            raise ValueError(f"sample_cluster_min_vocab must be >= 0, got {self.sample_cluster_min_vocab}")
 
 
 DEFAULT = Tuning()

@@ -51,7 +51,7 @@ ENTRY_POINTS = {
     "awq_wgmma_decode.cu": [f"awq_wgmma_decode_t{bt}_{e}" for bt in (32, 64) for e in ("plain", "res", "silu")],
     "embedding.cu": [f"embedding{v}_{t}" for v in ("", "_fold", "_fold8") for t in ("i32", "i64")],
     "rope_kv.cu": ["rope_kv_f16", "rope_kv_i8"],
-    "sampling.cu": ["sample_f16", "sample_f32"],
+    "sampling.cu": ["sample_f16", "sample_f32", "sample_f16_cl", "sample_f32_cl"],
     "fp16_gemv.cu": [f"fp16_gemv_mt{m}{e}" for m in (1, 2) for e in ("", "_res", "_silu")]
                     + ["w8a16_gemv_mt1", "w8a16_gemv_mt2"],
     "fp8_quantize.cu": [f"fp8_quantize_{v}_nv{n}" for v in ("dyn", "static") for n in (1, 2, 4, 8)]

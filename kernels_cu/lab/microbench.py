@@ -1,10 +1,11 @@
-"""GPU micro-benchmark of the GEMV and decode-attention kernels: `python -m kernels_cu.lab.microbench`.
+"""GPU micro-benchmark of the GEMV, decode-attention and sampling kernels: `python -m kernels_cu.lab.microbench`.
 
 Per LLaMA-2-7B shape and M in (1, 8, 16): the kernel's time, the bytes it must move (weights once,
 activations and outputs), GB/s, and the percentage of the device-to-device copy bandwidth measured here
 (bytes read + bytes written); beside it, torch (cuBLAS) on the same shape. Decode attention at contexts
 512 and 4096 against torch's SDPA (`--only l2`: each decode GEMV at M = 1 with its weight cold and L2-resident,
-single launches). Each timing replays a CUDA graph of REPS calls that rotate over enough
+single launches; `--only sample`: the GPU sampler at each --ms batch, one block a row against clusters of
+--sample-blocks). Each timing replays a CUDA graph of REPS calls that rotate over enough
 weight copies to overflow L2; the median over replays after a warm-up.
 """
 
@@ -26,7 +27,9 @@ from kernels_cu.awq_gemv import (AwqPacked, awq_batch_gemm, awq_gemv, awq_linear
                                  pack_for_gemv)
 from kernels_cu.fp16_gemv import fp16_gemv, fp16_swiglu, w8a16_linear
 from kernels_cu.int8_gemm import int8_gemm
+from kernels_cu.sampling import GpuSampler, launch_blocks
 from model_zoo.config import LlamaConfig
+from model_zoo.sampling import SamplingConfig
 
 SHAPES_7B = [("qkv", 4096, 12288), ("o", 4096, 4096), ("gate|up", 4096, 22016), ("down", 11008, 4096)]
 
@@ -277,6 +280,23 @@ def bench_attention(b: int, ctx: int, bw: float, h: int = 32, hkv: int = 32, d: 
     return Row.of("attn decode", f"B{b} ctx{ctx}", b, us, nbytes, bw, t_us, "SDPA")
 
 
+SAMPLE_VOCABS = (32000, 49152, 128256)  # LLaMA-2, SmolLM / StarCoder, Llama-3
+SAMPLE_CONFIGS = {"greedy": SamplingConfig(temperature=0.0),
+                  "top-k 50": SamplingConfig(temperature=1.0, top_k=50, top_p=1.0),
+                  "top-p 0.9": SamplingConfig(temperature=1.0, top_k=0, top_p=0.9)}
+
+
+def bench_sample(V: int, b: int, what: str, blocks: int, bw: float) -> Row:
+    """The GPU sampler over fp16 logits [b, V] at tuning's sample_cluster_blocks = blocks (0: one block a row; any
+    vocabulary may take clusters here); the shape names the blocks a row its launch took. GB/s: the logits once."""
+    logits = (torch.randn(b, V, device="cuda") * 3).half()  # [b, V]
+    s = GpuSampler(b, V, [V + 1], seed=1, config=SAMPLE_CONFIGS[what])  # an eos id never drawn: no row finishes
+    with tuning.override(sample_cluster_blocks=blocks, sample_cluster_min_vocab=0):
+        us = time_graph(lambda i: s.sample(logits), 1)
+        P = launch_blocks(b, V, logits.dtype, logits.device.index or 0)
+    return Row.of(f"sample {what}", f"V{V} P{P}", b, us, 2 * b * V, bw)
+
+
 def _launch_us(fn: Callable[[], object], before: Callable[[], object], n: int = 60) -> float:
     """Median microseconds of one launch of fn, right after before() (events around fn alone; the GPU is held
     back first, so the host has queued both before they run and no launch gap is timed)."""
@@ -332,10 +352,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ms", default="1,8,16,32", help="token counts for the GEMV rows")
     ap.add_argument("--only", default="fp16,int8,awq,attn,dequant",
                     help="which groups to run (+ prefill; l2: decode GEMVs with the weight cold and L2-resident; "
-                         "head: the lm_head, fp16 and int8 weights)")
+                         "head: the lm_head, fp16 and int8 weights; sample: the GPU sampler)")
     ap.add_argument("--prefill-ms", default="2048", help="token counts for the prefill GEMM rows")
     ap.add_argument("--awq-splits", default="", help="also sweep these AWQ K-split counts, e.g. 8,16,32")
     ap.add_argument("--batch-splits", default="", help="also sweep the AWQ batch GEMM's K splits, e.g. 1,2,4")
+    ap.add_argument("--sample-blocks", default="0,8",
+                    help="sample group: sample_cluster_blocks values to time (0: one block a row), e.g. 0,4,8,16")
     ap.add_argument("--json", default="", help="write the rows to this file")
     ap.add_argument("--model", default="llama2-7b", help="the preset whose shapes are measured")
     args = ap.parse_args(argv)
@@ -378,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += [r for m in map(int, args.prefill_ms.split(",")) for _, k, n in shapes for r in bench_prefill(m, k, n, bw)]
     if "attn" in only:
         rows += [bench_attention(b, ctx, bw) for ctx in (512, 4096) for b in (1, 8, 32)]
+    if "sample" in only:
+        rows += [bench_sample(v, m, what, int(p), bw) for v in SAMPLE_VOCABS for m in ms for what in SAMPLE_CONFIGS
+                 for p in args.sample_blocks.split(",")]
     if "l2" in only:
         rows += [r for _, k, n in shapes for kind in ("fp16", "int8", "awq") for r in bench_l2_residency(kind, k, n, bw)]
     print(f"{'op':<17}{'shape':<14}{'M':>5}{'us':>9}{'GB/s':>8}{'%copy':>7}{'torch us':>10}  vs torch")
