@@ -62,6 +62,28 @@ __device__ bool cluster_argmax(ArgMax& a, int rank, int P, float* part_v, float*
     return true;
 }
 
+// A generic pointer to what `p` points at in block `rank` of the cluster (loads, stores and atomics reach it).
+template <typename X>
+__device__ __forceinline__ X* cluster_ptr(X* p, int rank) {
+    unsigned long long r = 0;
+    FLLAMA_CLUSTER_ASM("mapa.u64 %0, %1, %2;\n" : "=l"(r) : "l"(p), "r"(rank));
+    return reinterpret_cast<X*>(r);
+}
+
+// The cluster's winner in every block from each block's own (v[0], i[0] in its shared memory, written before a
+// cluster barrier this thread has passed): per warp, lane r reads block r's (P <= 32). better() is a total order,
+// so every block gets cluster_argmax's answer.
+__device__ ArgMax cluster_argmax_all(const float* v, const int* i, int P) {
+    const int lane = threadIdx.x & 31;
+    ArgMax a = lane < P ? ArgMax{*cluster_ptr(v, lane), *cluster_ptr(i, lane)} : ArgMax{-INFINITY, 0x7fffffff};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
+        a = better(a, other);
+    }
+    return a;
+}
+
 // Inclusive prefix sum over the block in thread order; incl[] (blockDim floats of shared memory) keeps
 // every thread's inclusive value so thread t's exclusive sum is exactly incl[t - 1].
 __device__ float block_inclusive_scan(float v, float* incl, float* warp_tot) {

@@ -16,152 +16,41 @@
 // greedy (argmax, lowest index on ties) when temperature == 0 or top_k == 1, else divide by temperature,
 // keep the top_k largest (ties with the k-th kept), keep the smallest prefix of those in descending order
 // whose mass before each kept token is < top_p, and draw from the softmax of what is left.
-//   - top_k > 0 or top_p < 1: a radix select (8-bit digits, shared-memory histograms) finds the k-th
-//     largest value (k = top_k, or MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties)
-//     are bitonic-sorted in shared memory, and one warp scans them for the nucleus and the draw. With
-//     top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
-//     normalised over the whole vocabulary).
+//   - top_k > 0 or top_p < 1: a radix select (sample_select.cuh) finds the k-th largest value (k = top_k, or
+//     MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties, the lowest indices beyond) are
+//     bitonic-sorted in shared memory, and one warp scans them for the nucleus and the draw. With top_p alone
+//     the nucleus is therefore limited to the MAX_K largest logits (the mass is still normalised over the whole
+//     vocabulary, summed over fixed 8,192-token segments so that a cluster's sum is the one block's).
 //   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order.
 // Random numbers: Philox-4x32-10 keyed by the row's seed, counter = its draw counter, so replays of one graph
 // draw fresh numbers and a row's stream depends neither on the batch it runs in nor on its slot.
 // *_cl entries (sm_90): grid (P, n), each row's P blocks one thread-block cluster. The max/argmax pass, which
 // one block runs at ~12 instructions a token on one SM (14 us at 128k tokens), is split into P contiguous slices
-// of whole 8-token chunks; blocks 1..P-1 push their winner into block 0's shared memory and exit, and block 0
-// goes on as the one-block kernel does (the sampled paths re-read the whole row), with the same argmax.
+// of whole 8-token chunks. Greedy and temperature-only rows: blocks 1..P-1 push their winner into block 0's shared
+// memory and exit, and block 0 goes on as the one-block kernel does. Top-k / top-p rows: the radix select and the
+// candidate gather run over the whole cluster too (sample_select.cuh); block 0 then sorts and draws alone.
 #include "block_reduce.cuh"
 #include "common.cuh"
 #include "philox.cuh"
+#include "sample_select.cuh"
+#include "sample_values.cuh"
 
 using namespace fllama;
 
 constexpr int SAMPLE_THREADS = 1024;
-constexpr int MAX_K = 1024;
-constexpr int CAND_CAP = 2048;
 constexpr int EOS_EARLY = 4;  // end-of-sequence ids read before the PDL wait (more are read after it)
-constexpr int CLUSTER_MAX = 16;  // blocks per cluster of the _cl entries (non-portable above 8; H100 / H200: 16)
-
-// ---------------------------------------------------------------- ordered keys
-
-// Monotone float -> uint32 map: a > b  <=>  key(a) > key(b) (for non-NaN values).
-__device__ __forceinline__ uint32_t float_key(float x) {
-    const uint32_t b = __float_as_uint(x);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_float(uint32_t k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// ---------------------------------------------------------------- the row
-
-template <typename T>
-struct Row {
-    const T* logits;
-    const uint8_t* seen;
-    float penalty, inv_temp_div;  // inv_temp_div: the temperature (divided by, IEEE)
-    bool scaled;
-
-    // logit l of token v (as loaded) -> the value the sampler ranks: the penalty, then the temperature
-    __device__ __forceinline__ float value_of(int v, float l) const {
-        if (penalty != 1.0f && seen[v]) l = l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty);
-        return scaled ? __fdiv_rn(l, inv_temp_div) : l;
-    }
-    __device__ __forceinline__ float value(int v) const { return value_of(v, static_cast<float>(logits[v])); }
-};
-
-// f(v, value) for every token v of chunks [c_lo, c_hi) of the row this thread owns, in increasing v (so "first
-// seen" is "lowest index" within a thread): chunks of 8 consecutive tokens, chunk c to thread (c - c_lo) % blockDim,
-// U chunks' loads issued together: a loop of one dependent 2-byte load per token (32 per thread at V = 32000)
-// would make the greedy step's sampling a chain of L2 round trips (~15 us a step).
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, int c_lo, int c_hi, F&& f) {
-    constexpr int PER_VEC = 16 / sizeof(T);  // tokens per 16-byte load
-    constexpr int VECS = 8 / PER_VEC;         // 16-byte loads per chunk
-    // chunks in flight per thread (16 registers of raw logits): fp16 4, so that V = 32000 at 1024 threads is one
-    // round of loads (two with 2, one L2 round trip more in every decode step); fp32 2
-    constexpr int U = sizeof(T) == 2 ? 4 : 2;
-    // the 16-byte loads need every row start aligned: V % 8 == 0 (else one load per token, still U chunks at once)
-    const bool vec = V % 8 == 0;
-    for (int c0 = c_lo + threadIdx.x; c0 < c_hi; c0 += U * blockDim.x) {
-        uint4 raw[U][VECS];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + u * blockDim.x;
-            if (c >= c_hi) continue;
-            if (vec) {
-#pragma unroll
-                for (int i = 0; i < VECS; ++i) raw[u][i] = __ldcg(reinterpret_cast<const uint4*>(row.logits + 8 * c) + i);
-            } else {
-                T* t = reinterpret_cast<T*>(raw[u]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) t[e] = 8 * c + e < V ? row.logits[8 * c + e] : T(0.0f);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + u * blockDim.x;
-            if (c >= c_hi) continue;
-            const T* t = reinterpret_cast<const T*>(raw[u]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int v = 8 * c + e;
-                if (v < V) f(v, row.value_of(v, static_cast<float>(t[e])));
-            }
-        }
-    }
-}
-
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
-    for_each_value(row, V, 0, (V + 7) / 8, f);
-}
+static_assert(SAMPLE_THREADS == SEG_CHUNKS, "the select walks a segment as one 8-token chunk a thread");
 
 struct Shared {
     float fv[32];
     int fi[32];
-    int hist[256];
-    unsigned long long cand[CAND_CAP];
     float incl[SAMPLE_THREADS];
-    int n_cand;
     int pick;
     float part_v[CLUSTER_MAX], part_i[CLUSTER_MAX];  // _cl, block 0: the other blocks' winners (cluster_argmax)
     int eos[EOS_EARLY];  // thread 0's, from before the wait (shared memory: no registers held through the row)
     int new_length;
-    uint32_t digit;
-    int remaining;
-    bool done;
+    SelectShared sel;  // top-k / top-p
 };
-
-// Warp 0 picks the bin holding the `remaining`-th largest key among 256 bins (descending order).
-__device__ void choose_digit(Shared& sh) {
-    const int lane = threadIdx.x & 31;
-    int cnt[8], local = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        cnt[j] = sh.hist[255 - (lane * 8 + j)];
-        local += cnt[j];
-    }
-    int incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += n;
-    }
-    int above = incl - local;  // keys in bins above this lane's 8 bins
-    const int need = sh.remaining;
-    __syncwarp();  // every lane has read `remaining` before the chosen lane overwrites it (racecheck)
-    if (above < need && need <= incl) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (above < need && need <= above + cnt[j]) {
-                sh.digit = 255 - (lane * 8 + j);
-                sh.remaining = need - above;
-                sh.done = cnt[j] == need - above;  // the whole bin is taken: lower digits need not be resolved
-            }
-            above += cnt[j];
-        }
-    }
-}
 
 // The decode step's bookkeeping for row b (thread 0), once its token is known. new_length() runs before the PDL
 // wait: lengths and active are written only by earlier steps' sampling and the host, never by the kernels this one
@@ -190,7 +79,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     __shared__ Shared sh;
     const int i_out = CL ? blockIdx.y : blockIdx.x, tid = threadIdx.x;
     const int rank = CL ? blockIdx.x : 0, P = CL ? gridDim.x : 1;  // rank: the block's place in its row's cluster
-    if (CL) cluster_arrive_relaxed();  // phase 1 (cluster_argmax): this block has started
+    if (CL) cluster_arrive_relaxed();  // phase 1 (cluster_argmax / the select): this block has started
     const int b = rows != nullptr ? rows[i_out] : i_out;  // the state row; logits and out are indexed by i_out
     // Before the PDL wait, the row's state: only earlier launches of this kernel (their steps long complete) and
     // the host write finished, params, rng, eos_ids and the step's lengths / active, so only the logits, which
@@ -234,9 +123,11 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
     });
     best = block_argmax(best, sh.fv, sh.fi);
-    if (CL && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: pushed, done
-    const int argmax = best.i < V ? best.i : 0;
-    const float m = best.v;
+    // top-k / top-p rows keep the whole cluster for the select; the others leave it to block 0 here
+    const bool select = row.scaled && !(top_k == 0 && top_p >= 1.0f);
+    if (CL && !select && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: done
+    int argmax = best.i < V ? best.i : 0;
+    float m = best.v;
 
     if (!row.scaled) {
         token = argmax;
@@ -271,49 +162,43 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         __syncthreads();
         token = sh.pick != 0x7fffffff ? sh.pick : argmax;
     } else {
-        // ---- top-k / top-p: radix-select the k-th largest key, gather, sort, scan
+        // ---- top-k / top-p: the candidates over this block's segments (sample_select.cuh), sorted, scanned
         const int k = min(top_k > 0 ? top_k : MAX_K, V);
-        uint32_t prefix = 0, mask = 0;
-        if (k < V) {
-            if (tid == 0) {
-                sh.remaining = k;
-                sh.done = false;
-            }
-            for (int shift = 24; shift >= 0; shift -= 8) {
-                for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
-                __syncthreads();
-                for_each_value(row, V, [&](int, float x) {
-                    const uint32_t key = float_key(x);
-                    if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1);
-                });
-                __syncthreads();
-                if (tid < 32) choose_digit(sh);
-                __syncthreads();
-                prefix |= sh.digit << shift;
-                mask |= 255u << shift;
-                if (sh.done) break;  // every key with this prefix is in: lower bits of the threshold stay 0
+        const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
+        const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);
+        if (CL) cluster_wait_acquire();  // phase 1: every block has started, so its shared memory may be written
+        if (tid == 0) {  // read by the cluster (block 0's counter: written by all) after the next barrier
+            sh.sel.win_v = best.v;
+            sh.sel.win_i = best.i;
+            sh.sel.n_cand = 0;
+        }
+        const Threshold t = radix_select(row, V, k, s_lo, s_hi, P, sh.sel);
+        if (t.passes == 0) {
+            if (CL) cluster_sync();
+            else __syncthreads();
+        }
+        if (CL) {  // the row's max from every block's winner: each block's segment sums need m
+            best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
+            argmax = best.i < V ? best.i : 0;
+            m = best.v;
+        }
+        gather(row, V, s_lo, s_hi, t, m, sh.sel, CL ? cluster_ptr(sh.sel.cand, 0) : sh.sel.cand,
+               CL ? cluster_ptr(&sh.sel.n_cand, 0) : &sh.sel.n_cand, CL ? cluster_ptr(sh.sel.seg, 0) : nullptr);
+        if (CL) {
+            cluster_sync();  // block 0 holds every candidate and segment sum; nobody reads another block after it
+            if (rank != 0) return;
+            if (tid == 0) {  // the segments in order, as the one-block gather folds them
+                float z = 0.0f;
+                for (int i = 0; i < min(segs, SEG_CAP); ++i) z += sh.sel.seg[i];
+                sh.sel.z_full = z;
             }
         }
-        const uint32_t threshold = prefix;  // keys >= threshold: the top k and the ties with the k-th
-
-        // gather candidates and the softmax mass of the whole vocabulary
-        if (tid == 0) sh.n_cand = 0;
-        __syncthreads();
-        float z_part = 0.0f;
-        for_each_value(row, V, [&](int v, float x) {
-            z_part += expf(x - m);
-            const uint32_t key = float_key(x);
-            if (key >= threshold && !isnan(x)) {
-                const int slot = atomicAdd(&sh.n_cand, 1);
-                if (slot < CAND_CAP)
-                    sh.cand[slot] = ((unsigned long long)key << 32) | (0xffffffffu - (uint32_t)v);
-            }
-        });
-        const float z_full = block_sum(z_part, sh.fv);
-        const int n = min(sh.n_cand, CAND_CAP);
+        __syncthreads();  // z_full and the candidates are in
+        const float z_full = sh.sel.z_full;
+        const int n = min(sh.sel.n_cand, CAND_CAP);
         int n2 = 1;
         while (n2 < n) n2 <<= 1;
-        for (int i = n + tid; i < n2; i += blockDim.x) sh.cand[i] = 0ull;
+        for (int i = n + tid; i < n2; i += blockDim.x) sh.sel.cand[i] = 0ull;
         __syncthreads();
         // bitonic sort, descending: largest key first, lowest index first among equal keys
         for (int size = 2; size <= n2; size <<= 1) {
@@ -321,10 +206,10 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
                 for (int i = tid; i < n2 / 2; i += blockDim.x) {
                     const int a = 2 * stride * (i / stride) + (i % stride), c = a + stride;
                     const bool desc = (a & size) == 0;
-                    const unsigned long long x = sh.cand[a], y = sh.cand[c];
+                    const unsigned long long x = sh.sel.cand[a], y = sh.sel.cand[c];
                     if (desc ? x < y : x > y) {
-                        sh.cand[a] = y;
-                        sh.cand[c] = x;
+                        sh.sel.cand[a] = y;
+                        sh.sel.cand[c] = x;
                     }
                 }
                 __syncthreads();
@@ -335,7 +220,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             const int lane = tid, cs = (n + 31) / 32;
             const int c0 = min(n, lane * cs), c1 = min(n, c0 + cs);
             float local = 0.0f;
-            for (int i = c0; i < c1; ++i) local += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+            for (int i = c0; i < c1; ++i) local += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
             float incl = local;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -354,21 +239,21 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
                 float run = excl;
                 for (int i = c0; i < c1; ++i) {
                     if (run < limit) ++cnt;
-                    run += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+                    run += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
                 }
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL_MASK, cnt, o);
                 kept = max(cnt, 1);
             }
             float s_part = 0.0f;
-            for (int i = c0; i < min(c1, kept); ++i) s_part += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+            for (int i = c0; i < min(c1, kept); ++i) s_part += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
             const float s = warp_sum(s_part);
             float target = uniform01(seed, counter) * s;
             if (target >= s) target = nextafterf(s, 0.0f);
             int found = 0x7fffffff;
             float run = excl;
             for (int i = c0; i < min(c1, kept); ++i) {
-                run += expf(key_float((uint32_t)(sh.cand[i] >> 32)) - m);
+                run += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
                 if (run > target) {
                     found = i;
                     break;
@@ -378,7 +263,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             for (int o = 16; o > 0; o >>= 1) found = min(found, __shfl_xor_sync(FULL_MASK, found, o));
             if (lane == 0) {
                 const int i = found != 0x7fffffff ? found : kept - 1;
-                sh.pick = n > 0 ? (int)(0xffffffffu - (uint32_t)(sh.cand[i] & 0xffffffffull)) : argmax;
+                sh.pick = n > 0 ? (int)(0xffffffffu - (uint32_t)(sh.sel.cand[i] & 0xffffffffull)) : argmax;
             }
         }
         __syncthreads();

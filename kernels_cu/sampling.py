@@ -10,11 +10,12 @@ Device state (GpuSampler owns it; `sample` is the bare launcher):
 Semantics follow model_zoo.sampling.TorchSampler (penalty, then greedy or temperature -> top-k -> top-p ->
 softmax draw). Limits: top_k <= MAX_TOP_K; with top_p alone the nucleus is searched among the MAX_TOP_K
 largest logits (exact whenever the nucleus holds fewer tokens); ties at the k-th value are kept as in
-torch, up to 2048 candidates.
+torch, up to 2048 candidates (past that, the ties of lowest index).
 
-On GPUs with thread-block clusters (sm_90) a row's max/argmax pass may run over P blocks, one cluster a row
-(`cluster_blocks`: tuning's sample_cluster_blocks, where the vocabulary is large enough and the clusters of
-the batch are resident at once); the tokens and the state are those of the one-block launch, bit for bit.
+On GPUs with thread-block clusters (sm_90) a row may run over P blocks, one cluster a row (`cluster_blocks`:
+tuning's sample_cluster_blocks, where the vocabulary is large enough and the clusters of the batch are resident at
+once): the max/argmax pass, and for top-k / top-p rows the radix select and the candidate gather too; the tokens
+and the state are those of the one-block launch, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 THREADS = 1024
 MAX_TOP_K = 1024
 CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (sampling.cu; non-portable above 8)
+CLUSTER_MAX_VOCAB = 64 * 8192  # a cluster's row: block 0 holds its segment sums (SEG_CAP * SEG_TOKENS)
 
 
 def params_row(cfg: SamplingConfig) -> list[float]:
@@ -101,8 +103,9 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finis
 def cluster_blocks(n: int, V: int, blocks: int, min_vocab: int, max_clusters: Callable[[int], int] | None) -> int:
     """Blocks per logits row: 1 (one block a row), or the largest P <= `blocks` (and <= the row's 8-token chunks)
     whose n clusters the GPU holds at once (max_clusters(P); None: no clusters): a cluster that does not fit
-    waits for a whole one to finish, so a partial second wave costs more than a smaller P."""
-    if max_clusters is None or n == 0 or blocks < 2 or V < min_vocab:
+    waits for a whole one to finish, so a partial second wave costs more than a smaller P. Rows of more than
+    CLUSTER_MAX_VOCAB tokens take one block."""
+    if max_clusters is None or n == 0 or blocks < 2 or V < min_vocab or V > CLUSTER_MAX_VOCAB:
         return 1
     for p in range(min(blocks, CLUSTER_MAX, -(-V // 8)), 1, -1):
         if max_clusters(p) >= n:

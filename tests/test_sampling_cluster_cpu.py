@@ -1,10 +1,12 @@
 """The GPU sampler's cluster launch on a machine without a GPU: how many blocks a row takes (sampling.py), the
-Tuning knobs' checks, and sampling.cu's max/argmax pass emulated in Python, split over P blocks' slices, giving
-the one-block pass's token for ties, -inf and NaN (the GPU tests check the kernel itself)."""
+Tuning knobs' checks, sampling.cu's max/argmax pass emulated in Python, split over P blocks' slices, giving
+the one-block pass's token for ties, -inf and NaN, and its radix select's candidates (the GPU tests check the kernel
+itself)."""
 
 from __future__ import annotations
 
 import math
+import struct
 import random
 from functools import reduce
 
@@ -24,6 +26,8 @@ def test_cluster_size_takes_the_largest_that_fits_in_one_wave():
     assert cluster_blocks(128, 128256, 8, 40000, fits) == 1  # not even clusters of 2 fit: one block a row
     assert cluster_blocks(1, 128256, 16, 40000, fits) == 16
     assert cluster_blocks(1, 32000, 8, 40000, fits) == 1  # below the vocabulary threshold
+    assert cluster_blocks(1, 524288, 8, 40000, fits) == 8
+    assert cluster_blocks(1, 524289, 8, 40000, fits) == 1  # past the segment sums block 0 holds
     assert cluster_blocks(1, 20, 8, 0, fits) == 3  # no more blocks than 8-token chunks
     assert cluster_blocks(1, 128256, 8, 40000, None) == 1  # no clusters on this GPU
     assert cluster_blocks(1, 128256, 1, 40000, fits) == cluster_blocks(1, 128256, 0, 40000, fits) == 1
@@ -82,3 +86,68 @@ def test_argmax_over_slices_is_the_one_block_argmax():
         want = reference(x)
         for P in range(1, min(16, -(-V // 8)) + 1):
             assert kernel_argmax(x, P) == want, (trial, V, P, x)
+
+
+def float_key(x: float) -> int:
+    """sample_values.cuh's monotone float -> uint32 key."""
+    b = struct.unpack("<I", struct.pack("<f", x))[0]
+    return (~b & 0xFFFFFFFF) if b & 0x80000000 else (b | 0x80000000)
+
+
+def choose_digit(hist: list[int], need: int) -> tuple[int, int, int, bool]:
+    """sample_select.cuh's choose_digit: the bin of the need-th largest -> (digit, remaining, tie, done)."""
+    above = 0
+    for d in range(255, -1, -1):
+        if above < need <= above + hist[d]:
+            return d, need - above, hist[d], hist[d] == need - above
+        above += hist[d]
+    raise AssertionError("no bin holds the need-th key")
+
+
+def radix_candidates(x: list[float], k: int, cap: int) -> list[int]:
+    """sample_select.cuh's radix_select then gather's test, on one block (the integer counts are the same summed
+    over any P blocks): the tokens at or above the k-th key; past `cap`, the select goes on over ~token."""
+    V, keys = len(x), [float_key(v) for v in x]
+    hi = lo = 0
+    if k < V:
+        remaining, mh = k, 0
+        for shift in (24, 16, 8, 0):
+            hist = [0] * 256
+            for key in keys:
+                if key & mh == hi:
+                    hist[(key >> shift) & 255] += 1
+            digit, remaining, tie, done = choose_digit(hist, remaining)
+            hi, mh = hi | digit << shift, mh | 255 << shift
+            if done:
+                break
+        greater = k - remaining
+        if not done and greater + tie > cap:
+            remaining, ml = cap - greater, 0
+            for shift in (24, 16, 8, 0):
+                hist = [0] * 256
+                for v, key in enumerate(keys):
+                    if key == hi and (0xFFFFFFFF - v) & ml == lo:
+                        hist[((0xFFFFFFFF - v) >> shift) & 255] += 1
+                digit, remaining, _, done = choose_digit(hist, remaining)
+                lo, ml = lo | digit << shift, ml | 255 << shift
+                if done:
+                    break
+    return [v for v in range(V) if keys[v] > hi or (keys[v] == hi and 0xFFFFFFFF - v >= lo)]
+
+
+def test_radix_select_keeps_the_top_k_with_ties_and_the_lowest_indices_past_the_cap():
+    rng = random.Random(9)
+    for trial in range(80):
+        V = rng.choice([20, 57, 300, 513])
+        x = [struct.unpack("<f", struct.pack("<f", rng.choice([-3.0, 0.5, 2.0]) * rng.randint(0, 3) / 4))[0]
+             for _ in range(V)]  # few distinct values: long ties
+        if trial % 4 == 0:
+            x = [rng.gauss(0.0, 2.0) for _ in range(V)]
+        cap = rng.choice([8, 24, 64])
+        k = rng.randint(1, min(V, cap))
+        keys = [float_key(v) for v in x]  # the kernel's order: -0.0 below +0.0
+        order = sorted(range(V), key=lambda v: (-keys[v], v))
+        want = [v for v in range(V) if keys[v] >= keys[order[k - 1]]]
+        if len(want) > cap:
+            want = sorted(order[:cap])
+        assert radix_candidates(x, k, cap) == want, (trial, V, k, cap)

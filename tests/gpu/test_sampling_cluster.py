@@ -1,6 +1,7 @@
-"""sampling.cu's cluster path (the `_cl` entries, sm_90): a row's max/argmax pass over P blocks of one thread-block
-cluster gives the one-block kernel's tokens and state bit for bit, for every config, vocabulary, batch and edge case
-(ties across slices, -inf and NaN logits, chosen rows, finished and idle rows, a captured decode step)."""
+"""sampling.cu's cluster path (the `_cl` entries, sm_90): a row's max/argmax pass, and for top-k / top-p its radix
+select and candidate gather, over P blocks of one thread-block cluster give the one-block kernel's tokens and state
+bit for bit, for every config, vocabulary, batch and edge case (ties across slices and past CAND_CAP, -inf and NaN
+logits, chosen rows, finished and idle rows, a captured decode step)."""
 
 from dataclasses import replace
 
@@ -127,7 +128,7 @@ def test_inf_and_nan_rows(name):
         assert one[0].tolist() == [0, 3 * w + 17, 0, V - 1]
 
 
-@pytest.mark.parametrize("name", ["greedy", "top_p"])
+@pytest.mark.parametrize("name", ["greedy", "top_p", "penalty"])
 def test_chosen_rows(name):
     """sample(rows=...): logits row i is state row rows[i] (the cluster's row is blockIdx.y); other rows untouched."""
     V, B = 128256, 8
@@ -164,13 +165,14 @@ def step_run(blocks: int, logits: torch.Tensor, replays: int = 4) -> list[torch.
     return outs + [step.lengths.clone(), s.seen.clone(), s.finished.clone(), s.rng.clone()]
 
 
-def test_captured_decode_step():
+@pytest.mark.parametrize("blocks", [3, 8, 16])
+def test_captured_decode_step(blocks):
     V, B = 128256, 8
     logits = randn(B, V, scale=2.0, seed=8, dtype=torch.float16)
     before = cluster_launches(torch.float16)
     one = step_run(0, logits)
     assert cluster_launches(torch.float16) == before
-    cl = step_run(8, logits)
+    cl = step_run(blocks, logits)
     assert cluster_launches(torch.float16) == before + 2  # the eager call and the captured one
     for i, (a, b) in enumerate(zip(one, cl)):
         assert_equal(b, a, f"captured step, output {i}")
@@ -181,13 +183,97 @@ def test_captured_decode_step():
 
 
 def test_small_vocabularies_and_the_knob_off_keep_one_block():
-    logits = randn(2, 32000, seed=1, dtype=torch.float16)
+    logits = randn(2, 16000, seed=1, dtype=torch.float16)
     big = randn(2, 128256, seed=2, dtype=torch.float16)
-    s, sb = GpuSampler(2, 32000, [2]), GpuSampler(2, 128256, [2])
+    s, sb = GpuSampler(2, 16000, [2]), GpuSampler(2, 128256, [2])
     before = cluster_launches(torch.float16)
-    s.sample(logits)  # the defaults: 32,000 is below sample_cluster_min_vocab
+    s.sample(logits)  # the defaults: 16,000 is below sample_cluster_min_vocab
     with tuning.override(sample_cluster_blocks=1):
         sb.sample(big)
     assert cluster_launches(torch.float16) == before
     sb.sample(big)  # the defaults at 128,256 tokens
     assert cluster_launches(torch.float16) == before + 1
+
+
+SELECT = {  # the radix-select path: top-k, top-p alone, both, temperature, repetition penalty
+    "top_k 1 (greedy)": SamplingConfig(temperature=0.8, top_k=1, top_p=1.0),
+    "top_k 2": SamplingConfig(temperature=1.0, top_k=2, top_p=1.0),
+    "top_k 40": SamplingConfig(temperature=0.7, top_k=40, top_p=1.0),
+    "top_k 50": SamplingConfig(temperature=1.3, top_k=50, top_p=1.0),
+    "top_k 1024": SamplingConfig(temperature=1.0, top_k=1024, top_p=1.0),
+    "top_p 0.9": SamplingConfig(temperature=1.0, top_k=0, top_p=0.9),
+    "top_p 0.5 t0.6": SamplingConfig(temperature=0.6, top_k=0, top_p=0.5),
+    "default": SamplingConfig(temperature=0.7, top_k=40, top_p=0.95),
+    "penalty": SamplingConfig(temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.3),
+}
+
+
+def select_logits(B: int, V: int, seed: int, dtype=torch.float16) -> torch.Tensor:
+    """Random logits [B, V] with a few likely tokens in every row, spread over the row (as real logits)."""
+    logits = randn(B, V, scale=3.0, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    logits[:, torch.randint(0, V, (12,), generator=g)] += 6.0
+    return logits
+
+
+@pytest.mark.parametrize("V", [128256, 49152, 32003])
+@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("name", list(SELECT))
+def test_select_over_the_cluster_equals_one_block(name, B, V):
+    logits = select_logits(B, V, seed=V + B)
+    cfg = SELECT[name]
+    prepare = (lambda s: observe_leaders(s, logits)) if cfg.repetition_penalty != 1.0 else None
+    compare(logits, cfg, prepare=prepare)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("V", [128256, 32003])
+@pytest.mark.parametrize("blocks", [2, 3, 16])
+@pytest.mark.parametrize("name", ["top_k 50", "top_p 0.9", "default", "penalty"])
+def test_select_for_every_cluster_size(name, blocks, V, dtype):
+    logits = select_logits(3, V, seed=blocks + V, dtype=dtype)
+    cfg = SELECT[name]
+    prepare = (lambda s: observe_leaders(s, logits)) if cfg.repetition_penalty != 1.0 else None
+    compare(logits, cfg, blocks=blocks, prepare=prepare)
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 8, 16])
+def test_ties_at_the_kth_value_across_slices_and_past_the_candidate_cap(blocks):
+    """Row 0: 600 tokens tie at the 50th value, spread over every slice: all are candidates (k = 1024: the 2048 - 606
+    lowest-index ties at -3 join them). Row 1: the whole row ties: the 2,048 lowest indices are the candidates
+    (CAND_CAP), whichever block holds them. Row 2: 40 tokens above 3,000 ties, past the cap. Row 3: fp16 runs of
+    equal neighbours, every digit of the select resolved."""
+    V = 128256
+    logits = torch.full((4, V), -3.0, dtype=torch.float16, device="cuda")
+    spread = torch.linspace(0, V - 1, 600).round().long().cuda()
+    logits[0, spread] = 2.0
+    logits[0, spread[::100] + 1] = 4.0
+    logits[1] = 1.0
+    logits[2, torch.linspace(0, V - 1, 3000).round().long().cuda()] = 0.5
+    logits[2, torch.linspace(7, V - 8, 40).round().long().cuda()] = 1.5
+    logits[3] = torch.linspace(-1.0, 1.0, V, device="cuda").half()  # fp16: runs of equal neighbours
+    for cfg in (SELECT["top_k 50"], SELECT["top_p 0.9"], SELECT["top_k 1024"]):
+        one = compare(logits, cfg, blocks=blocks)
+        tokens = torch.stack(one[:3]).long()  # [calls, 4]
+        if cfg.top_k == 50:
+            assert set(tokens[:, 0].tolist()) <= set(spread.tolist()) | set((spread[::100] + 1).tolist())
+        assert int(tokens[:, 1].max()) < 2048, "the lowest indices of a tie past CAND_CAP"
+
+
+@pytest.mark.parametrize("name", ["top_k 50", "top_p 0.9", "penalty"])
+def test_inf_and_nan_rows_in_the_select(name):
+    V = 128256
+    w = slice_tokens(V, 8)
+    logits = randn(4, V, scale=2.0, seed=13, dtype=torch.float16)
+    logits[0, ::3] = float("-inf")
+    logits[1, [0, w, 2 * w, 7 * w, 5 * 8192 + 3]] = float("nan")
+    logits[1, 3 * w + 17] = 50.0
+    logits[2] = float("-inf")
+    logits[2, [11, w + 5, V - 1]] = 1.0  # three finite values: fewer than k
+    logits[3] = float("-inf")
+    logits[3, [5, w + 1, V - 3]] = float("nan")
+    logits[3, V - 1] = -2.0
+    prepare = (lambda s: observe_leaders(s, logits.nan_to_num(0.0))) if name == "penalty" else None
+    one = compare(logits, SELECT[name], prepare=prepare)
+    tokens = torch.stack(one[:3])  # [calls, 4]
+    assert set(tokens[:, 2].tolist()) <= {11, w + 5, V - 1} and tokens[:, 3].tolist() == [V - 1] * 3

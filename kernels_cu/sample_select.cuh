@@ -1,0 +1,182 @@
+// The candidates of sampling.cu's top-k / top-p draw: a radix select (8-bit digits, shared-memory histograms)
+// finds the k-th largest key, then every token at or above it is gathered (with the softmax mass of the whole row).
+// Over one block, or over a thread-block cluster of P blocks (sm_90), each block walking its own segments: per
+// digit the P histograms are summed by every block (each reads the others' over distributed shared memory and picks
+// the same digit), and the candidates and segment sums are pushed into block 0, which sorts and draws alone.
+// Integer counts and per-segment float sums make the result the one-block kernel's, bit for bit, for any P.
+#pragma once
+
+#include "block_reduce.cuh"
+#include "sample_values.cuh"
+
+namespace fllama {
+
+constexpr int CLUSTER_MAX = 16;  // blocks per cluster of the _cl entries (non-portable above 8; H100 / H200: 16)
+constexpr int MAX_K = 1024;
+constexpr int CAND_CAP = 2048;
+constexpr int SEG_CAP = 64;   // segments of a cluster's row (block 0 holds their sums): V <= 524,288,
+                              // sampling.py's CLUSTER_MAX_VOCAB
+constexpr int SEG_GROUP = 32; // segments whose per-warp partials a block holds at once
+
+struct SelectShared {
+    int hist[2][256];  // this block's histogram; two, so a block fills digit j+1's while others still read j's
+    int sum[256];      // the cluster's histogram (P > 1)
+    unsigned long long cand[CAND_CAP];  // (key << 32) | ~token, block 0's
+    float segw[SEG_GROUP * 32];         // a segment's per-warp sums
+    float seg[SEG_CAP];                 // segment sums: block 0's (cluster), or one group's (one block)
+    float win_v, z_full;
+    int win_i, n_cand, remaining, tie;
+    uint32_t digit;
+    bool done;
+};
+
+// Warp 0 picks the bin holding the `remaining`-th largest key among 256 bins (descending order).
+__device__ void choose_digit(const int* hist, SelectShared& sh) {
+    const int lane = threadIdx.x & 31;
+    int cnt[8], local = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        cnt[j] = hist[255 - (lane * 8 + j)];
+        local += cnt[j];
+    }
+    int incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += n;
+    }
+    int above = incl - local;  // keys in bins above this lane's 8 bins
+    const int need = sh.remaining;
+    __syncwarp();  // every lane has read `remaining` before the chosen lane overwrites it (racecheck)
+    if (above < need && need <= incl) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (above < need && need <= above + cnt[j]) {
+                sh.digit = 255 - (lane * 8 + j);
+                sh.remaining = need - above;
+                sh.tie = cnt[j];
+                sh.done = cnt[j] == need - above;  // the whole bin is taken: lower digits need not be resolved
+            }
+            above += cnt[j];
+        }
+    }
+}
+
+// What a pass counts: keys with (key & mh) == ph, and (LOW) among them those whose ~token matches pl under ml.
+struct Prefix {
+    uint32_t ph, mh, pl, ml;
+};
+
+// One digit over the P blocks of the row's cluster (P == 1: this block alone): this block's segments histogrammed
+// (one shared-memory atomic a key: merging a warp's adds to one bin by __match_any_sync measured slower, H200),
+// the blocks' histograms summed, the digit chosen into sh.
+template <bool LOW, typename T>
+__device__ void select_pass(const Row<T>& row, int V, int s_lo, int s_hi, int P, Prefix q, int shift, int pass,
+                            SelectShared& sh) {
+    int* hist = sh.hist[pass & 1];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        hist[i] = 0;
+        sh.sum[i] = 0;
+    }
+    __syncthreads();
+    for_each_segment(row, V, s_lo, s_hi, [&](int v, float x, bool ok) {
+        const uint32_t key = float_key(x), iv = 0xffffffffu - (uint32_t)v;
+        ok = ok && (key & q.mh) == q.ph && (!LOW || (iv & q.ml) == q.pl);
+        if (__ballot_sync(FULL_MASK, ok) == 0) return;  // later digits: most warps hold no key of the prefix
+        if (ok) atomicAdd(&hist[((LOW ? iv : key) >> shift) & 255u], 1);
+    }, [](int) {});
+    if (P > 1) {
+        cluster_sync();  // every block's histogram is complete (release / acquire)
+        // 4 threads a bin, each adding up to 4 blocks' counts, their loads in flight together
+        const int bin = threadIdx.x & 255, r0 = threadIdx.x >> 8;
+        int total = 0;
+#pragma unroll
+        for (int j = 0; j < CLUSTER_MAX / 4; ++j)
+            if (r0 + 4 * j < P) total += *cluster_ptr(hist + bin, r0 + 4 * j);
+        if (total != 0) atomicAdd(&sh.sum[bin], total);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) choose_digit(P > 1 ? sh.sum : hist, sh);
+    __syncthreads();
+}
+
+// The candidates' bound: a token is one when key > hi, or key == hi and ~token >= lo. passes: digits run.
+struct Threshold {
+    uint32_t hi, lo;
+    int passes;
+};
+
+// The k-th largest key (keys >= it: the top k and the ties with the k-th). Where those ties would overflow
+// CAND_CAP, the select goes on over ~token among them: the lowest indices are kept, the same ones for any P.
+template <typename T>
+__device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int s_hi, int P, SelectShared& sh) {
+    Threshold t{0u, 0u, 0};
+    if (k >= V) return t;
+    if (threadIdx.x == 0) sh.remaining = k;
+    Prefix q{0u, 0u, 0u, 0u};
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        select_pass<false>(row, V, s_lo, s_hi, P, q, shift, t.passes++, sh);
+        q.ph |= sh.digit << shift;
+        q.mh |= 255u << shift;
+        if (sh.done) break;  // every key with this prefix is in: lower bits of the threshold stay 0
+    }
+    t.hi = q.ph;
+    const int greater = k - sh.remaining;  // keys above the k-th (when the last digit left ties)
+    if (sh.done || greater + sh.tie <= CAND_CAP) return t;
+    __syncthreads();  // every thread has read remaining / tie / done
+    if (threadIdx.x == 0) sh.remaining = CAND_CAP - greater;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        select_pass<true>(row, V, s_lo, s_hi, P, q, shift, t.passes++, sh);
+        q.pl |= sh.digit << shift;
+        q.ml |= 255u << shift;
+        if (sh.done) break;
+    }
+    t.lo = q.pl;
+    return t;
+}
+
+// This block's segments: candidates (not NaN, at or above t) into `cand` through the slot counter `n_cand` (one
+// atomic a warp), and each segment's sum of exp(x - m) (8 tokens a thread in order, the warp's xor tree, the 32
+// warps in order). cand / n_cand / seg_dst may be block 0's, in another block of the cluster: segment s's sum goes
+// to seg_dst[s]; seg_dst null (one block): the sums are folded in segment order into sh.z_full (by thread 0, read
+// after a barrier), as block 0 of a cluster folds seg_dst.
+template <typename T>
+__device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, float m, SelectShared& sh,
+                       unsigned long long* cand, int* n_cand, float* seg_dst) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float z = 0.0f;  // thread 0's, one block
+    for (int g = s_lo; g < s_hi; g += SEG_GROUP) {
+        const int g_hi = min(s_hi, g + SEG_GROUP);
+        float zc = 0.0f;
+        for_each_segment(row, V, g, g_hi, [&](int v, float x, bool ok) {
+            if (ok) zc += expf(x - m);
+            const uint32_t key = float_key(x), iv = 0xffffffffu - (uint32_t)v;
+            const bool c = ok && !isnan(x) && (key > t.hi || (key == t.hi && iv >= t.lo));
+            const unsigned want = __ballot_sync(FULL_MASK, c);
+            if (want == 0) return;
+            const int leader = __ffs(want) - 1;
+            int base = 0;
+            if (lane == leader) base = atomicAdd(n_cand, __popc(want));
+            const int slot = __shfl_sync(FULL_MASK, base, leader) + __popc(want & ((1u << lane) - 1u));
+            if (c && slot < CAND_CAP) cand[slot] = ((unsigned long long)key << 32) | iv;
+        }, [&](int s) {
+            const float w = warp_sum(zc);
+            if (lane == 0) sh.segw[(s - g) * 32 + warp] = w;
+            zc = 0.0f;
+        });
+        __syncthreads();
+        const int s = g + threadIdx.x;
+        if (s < g_hi) {
+            float sum = 0.0f;
+            for (int w = 0; w < 32; ++w) sum += sh.segw[threadIdx.x * 32 + w];
+            if (seg_dst == nullptr) sh.seg[threadIdx.x] = sum;
+            else if (s < SEG_CAP) seg_dst[s] = sum;
+        }
+        __syncthreads();  // segw is read before the next group writes it (and thread 0 folds seg before that)
+        if (seg_dst == nullptr && threadIdx.x == 0)
+            for (int i = 0; i < g_hi - g; ++i) z += sh.seg[i];
+    }
+    if (seg_dst == nullptr && threadIdx.x == 0) sh.z_full = z;
+}
+
+}  // namespace fllama
