@@ -15,6 +15,7 @@ from rich.table import Table
 
 from calibrate.outputs import OutputKind, prepare_output
 from fllama_cli.options import ForceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt, kv_kind
+from fllama_cli.sampling import TopKOpt, TopPOpt, sampling_config
 from model_zoo.errors import ConfigError
 
 SUMMARY = "GPU engine throughput, latency and memory against the bandwidth floor and torch.compile."
@@ -51,6 +52,9 @@ def bench_cmd(
     kv_int8: Annotated[bool, typer.Option("--kv-int8", help="The engine's int8 KV cache (as generate / chat --kv-int8): half the cache bytes each decode step reads; the floor counts them. The baseline keeps fp16.")] = False,
     kv_fp8: Annotated[bool, typer.Option("--kv-fp8", help="The engine's FP8 (E4M3) KV cache (as generate / chat --kv-fp8; compute capability 8.9+): the bytes of --kv-int8. The baseline keeps fp16.")] = False,
     lm_head_int8: Annotated[bool, typer.Option("--lm-head-int8", help="The int8 and awq engines' lm_head as int8 codes with a scale per vocabulary row (as generate / chat / eval --lm-head-int8): half its bytes each decode step; the floor counts them. fp16 (the unquantized model) and the baseline keep the fp16 head.")] = False,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sample the engine's decode steps and generation loop as generate does (0: greedy, the default; the baseline stays greedy), e.g. --temperature 0.7 for generate's defaults top-k 40, top-p 0.95.")] = 0.0,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
     loop: Annotated[bool, typer.Option("--loop/--no-loop", help="Batch 1 also through the generation loop that generate and chat run (prefill, decode run ahead of the host, detokenized and stop-checked): the decode tok/s a user gets, and its ratio to the engine's.")] = True,
     random: RandomOpt = False,
     seed: SeedOpt = None,
@@ -76,7 +80,8 @@ def bench_cmd(
                           "keeps its own")
     req = BenchRequest(source=model_opt or model, schemes=schemes,
                        cfg=BenchConfig(batches=_ints(batch, "--batch"), prompt_len=prompt_len, gen_len=gen_len,
-                                       repeat=repeat, group_size=128 if group_size is None else group_size),
+                                       repeat=repeat, group_size=128 if group_size is None else group_size,
+                                       sampling=sampling_config(temperature, top_k, top_p, 1.0, seed)),
                        baseline=baseline == Baseline.torch, random=random, seed=seed or 0, pdl=pdl,
                        fold_norms=fold_norms, fuse_rope=fuse_rope, kv=kv, lm_head_int8=lm_head_int8, loop=loop)
     err = Console(stderr=True, highlight=False)
@@ -114,8 +119,10 @@ def _cells(r: dict) -> list[str]:
 def _options(meta: dict) -> str:
     """The header's note of the engine options that change what a step reads."""
     kv = meta.get("kv_cache", "fp16")
+    sampling = meta.get("sampling", "greedy")
     return (f" · KV cache {kv}" if kv != "fp16" else "") + (
-        " · lm_head int8 (int8, awq)" if meta.get("lm_head_int8") else "")
+        " · lm_head int8 (int8, awq)" if meta.get("lm_head_int8") else "") + (
+        f" · sampling {sampling} (the baseline greedy)" if sampling != "greedy" else "")
 
 
 def _table(rows: list[dict], meta: dict) -> Table:

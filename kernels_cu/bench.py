@@ -16,6 +16,7 @@ import torch
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
 from model_zoo.linear import DenseLinear
+from model_zoo.sampling import SamplingConfig
 from model_zoo.weights import LINEAR_NAMES, LayerWeights, ModelWeights
 
 SCHEMES = ("fp16", "int8", "awq", "fp8")
@@ -28,6 +29,8 @@ class BenchConfig:
     gen_len: int = 128
     repeat: int = 3
     group_size: int = 128
+    # the engine's decode and generation loop sample with this (greedy by default; the baseline stays greedy)
+    sampling: SamplingConfig = SamplingConfig(temperature=0)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1 or max(self.batches) > 64:
@@ -114,14 +117,13 @@ def _events_time(fn, repeat: int) -> list[float]:
 def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: int = 0) -> dict:
     """Prefill, time to first token and graph-replayed decode of one batch size on one engine."""
     from kernels_cu import build
-    from model_zoo.sampling import SamplingConfig
 
     c = engine.config
     max_len = cfg.prompt_len + cfg.gen_len + 1
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, c.vocab_size, (batch, cfg.prompt_len), generator=g)  # [B, P]
     torch.cuda.reset_peak_memory_stats(engine.device)
-    sampler = engine.make_sampler(SamplingConfig(temperature=0), batch)
+    sampler = engine.make_sampler(cfg.sampling, batch)
     cache = engine.new_cache(batch, max_len)
     stream = build.torch_stream()
     rows = list(range(batch))

@@ -10,17 +10,17 @@ import torch
 
 from kernels_cu.bench import BenchConfig
 from model_zoo.generation import GenerationConfig, generate
-from model_zoo.sampling import SamplingConfig
 from model_zoo.tokenizer import Tokenizer
 
 
 def bench_generate(engine, tokenizer: Tokenizer | None, cfg: BenchConfig, seed: int = 0) -> dict:
-    """Median decode tok/s of generate() at batch 1 over cfg.repeat runs of cfg.gen_len greedy tokens (EOS
-    ignored, so every run decodes the same number of steps), after one warm-up run that captures the graphs."""
+    """Median decode tok/s of generate() at batch 1 over cfg.repeat runs of cfg.gen_len tokens sampled by
+    cfg.sampling (EOS ignored, so every run decodes the same number of steps), after one warm-up run that captures
+    the graphs."""
     tok = tokenizer or Tokenizer.byte_fallback(engine.config.vocab_size)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, engine.config.vocab_size, (cfg.prompt_len,), generator=g).tolist()
-    gcfg = GenerationConfig(max_new_tokens=cfg.gen_len, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
+    gcfg = GenerationConfig(max_new_tokens=cfg.gen_len, sampling=cfg.sampling, stop_at_eos=False)
     sink: list[str] = []  # the text is streamed to a callback, as `generate` prints it
 
     def run() -> float:

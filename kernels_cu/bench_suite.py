@@ -102,8 +102,15 @@ def run_bench(req: BenchRequest, progress: Callable[[str], None] = lambda _: Non
             "prompt_len": req.cfg.prompt_len, "gen_len": req.cfg.gen_len, "repeat": req.cfg.repeat,
             "baseline": base_rows, "programmatic_launch": pdl_supported(), "fold_norms": req.fold_norms,
             "fuse_rope": req.fuse_rope, "kv_cache": KvKind(req.kv).value, "lm_head_int8": req.lm_head_int8,
-            "loop": req.loop}
+            "loop": req.loop, "sampling": _sampling_note(req.cfg.sampling)}
     return rows, meta
+
+
+def _sampling_note(s) -> str:
+    """'greedy', or the sampled decode's settings (the header's words)."""
+    if s.temperature == 0:
+        return "greedy"
+    return f"temperature {s.temperature:g}, top-k {s.top_k}, top-p {s.top_p:g}"
 
 
 def _baseline(weights: ModelWeights, cfg: BenchConfig, progress: Callable[[str], None]) -> dict[int, dict]:

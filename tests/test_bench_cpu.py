@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from fllama_cli.bench import _markdown
-from kernels_cu.bench import decode_bytes
+from kernels_cu.bench import BenchConfig, decode_bytes
 from kernels_cu.engine import Engine, EngineConfig, KvKind
 from model_zoo.config import LlamaConfig
 
@@ -50,3 +50,20 @@ def test_markdown_header_says_when_the_lm_head_is_int8():
     row = {"scheme": "awq", "batch": 1, "decode_tok_s": 600.0}
     assert "lm_head int8" in _markdown([row], meta)
     assert "lm_head int8" not in _markdown([row], {**meta, "lm_head_int8": False})
+
+
+def test_sampled_bench_says_how_it_sampled():
+    """--temperature samples the engine's steps and loop; the header says so, and that the baseline stays greedy."""
+    from kernels_cu.bench_suite import _sampling_note
+    from model_zoo.sampling import SamplingConfig
+
+    assert BenchConfig().sampling == SamplingConfig(temperature=0)
+    assert _sampling_note(SamplingConfig(temperature=0)) == "greedy"
+    note = _sampling_note(SamplingConfig(temperature=0.7))
+    assert note == "temperature 0.7, top-k 40, top-p 0.95"
+    meta = {"model": "llama3-8b", "gpu": "GPU", "driver": "1", "date": "2026-11-28", "copy_bandwidth_tb_s": 4.2,
+            "prompt_len": 512, "gen_len": 64, "repeat": 2, "programmatic_launch": True, "baseline": {},
+            "kv_cache": "fp16", "sampling": note}
+    row = {"scheme": "awq", "batch": 1, "decode_tok_s": 600.0}
+    assert "sampling temperature 0.7, top-k 40, top-p 0.95 (the baseline greedy)" in _markdown([row], meta)
+    assert "sampling" not in _markdown([row], {**meta, "sampling": "greedy"})
