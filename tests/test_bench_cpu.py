@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from fllama_cli.bench import _markdown
 from kernels_cu.bench import BenchConfig, decode_bytes
 from kernels_cu.engine import Engine, EngineConfig, KvKind
 from model_zoo.config import LlamaConfig
+from model_zoo.sampling import SamplingConfig
 
 
 def fake_engine(kv: KvKind) -> SimpleNamespace:
@@ -67,3 +70,42 @@ def test_sampled_bench_says_how_it_sampled():
     row = {"scheme": "awq", "batch": 1, "decode_tok_s": 600.0}
     assert "sampling temperature 0.7, top-k 40, top-p 0.95 (the baseline greedy)" in _markdown([row], meta)
     assert "sampling" not in _markdown([row], {**meta, "sampling": "greedy"})
+
+
+@pytest.mark.parametrize("args,want", [
+    ([], SamplingConfig(temperature=0)),
+    (["--temperature", "0.7"], SamplingConfig(temperature=0.7, top_k=40, top_p=0.95)),
+    (["--temperature", "1", "--top-k", "0", "--top-p", "0.9"], SamplingConfig(temperature=1.0, top_k=0, top_p=0.9)),
+])
+def test_bench_cli_passes_the_sampling_options(args, want, monkeypatch, capsys):
+    """`fllama bench --temperature / --top-k / --top-p` reach the bench's config (run_bench stubbed: no GPU)."""
+    import sys
+
+    from fllama_cli.main import main
+    from kernels_cu import bench_suite
+
+    seen = []
+    monkeypatch.setattr(bench_suite, "run_bench", lambda req, progress: seen.append(req) or ([], META))
+    monkeypatch.setattr(sys, "argv", ["fllama", "bench", "--random", "--model", "llama3-8b", "--json", *args])
+    try:
+        main()
+    except SystemExit as e:  # typer may exit 0 after a command
+        assert e.code in (0, None), capsys.readouterr().err
+    assert len(seen) == 1 and seen[0].cfg.sampling == dataclasses.replace(want, seed=None)
+
+
+def test_bench_cli_refuses_bad_sampling_in_one_line(monkeypatch, capsys):
+    import sys
+
+    from fllama_cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["fllama", "bench", "--random", "--temperature", "-1"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "temperature" in err and "Traceback" not in err, err
+
+
+META = {"model": "llama3-8b", "gpu": "GPU", "driver": "1", "date": "2026-11-28", "copy_bandwidth_tb_s": 4.2,
+        "prompt_len": 512, "gen_len": 128, "repeat": 3, "programmatic_launch": True, "baseline": {},
+        "kv_cache": "fp16", "sampling": "greedy"}
