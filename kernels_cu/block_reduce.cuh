@@ -18,14 +18,20 @@ __device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
     return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
 }
 
-// Every thread of the block calls it and gets the block's winner; sv / si: 32 floats / ints of shared memory.
-__device__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+// Every lane of the warp gets the warp's winner (a butterfly of better()).
+__device__ __forceinline__ ArgMax warp_argmax(ArgMax a) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
         a = better(a, other);
     }
+    return a;
+}
+
+// Every thread of the block calls it and gets the block's winner; sv / si: 32 floats / ints of shared memory.
+__device__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    a = warp_argmax(a);
     __syncthreads();
     if (lane == 0) {
         sv[warp] = a.v;
@@ -33,12 +39,7 @@ __device__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
     }
     __syncthreads();
     a = lane < n_warps ? ArgMax{sv[lane], si[lane]} : ArgMax{-INFINITY, 0x7fffffff};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
-        a = better(a, other);
-    }
-    return a;
+    return warp_argmax(a);
 }
 
 // The winner of a cluster of P blocks (sm_90), each holding its block_argmax `a`, in block 0. Blocks 1..P-1 store
@@ -62,26 +63,13 @@ __device__ bool cluster_argmax(ArgMax& a, int rank, int P, float* part_v, float*
     return true;
 }
 
-// A generic pointer to what `p` points at in block `rank` of the cluster (loads, stores and atomics reach it).
-template <typename X>
-__device__ __forceinline__ X* cluster_ptr(X* p, int rank) {
-    unsigned long long r = 0;
-    FLLAMA_CLUSTER_ASM("mapa.u64 %0, %1, %2;\n" : "=l"(r) : "l"(p), "r"(rank));
-    return reinterpret_cast<X*>(r);
-}
-
 // The cluster's winner in every block from each block's own (v[0], i[0] in its shared memory, written before a
 // cluster barrier this thread has passed): per warp, lane r reads block r's (P <= 32). better() is a total order,
 // so every block gets cluster_argmax's answer.
 __device__ ArgMax cluster_argmax_all(const float* v, const int* i, int P) {
     const int lane = threadIdx.x & 31;
-    ArgMax a = lane < P ? ArgMax{*cluster_ptr(v, lane), *cluster_ptr(i, lane)} : ArgMax{-INFINITY, 0x7fffffff};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        ArgMax other{__shfl_xor_sync(FULL_MASK, a.v, o), __shfl_xor_sync(FULL_MASK, a.i, o)};
-        a = better(a, other);
-    }
-    return a;
+    const ArgMax a = lane < P ? ArgMax{*cluster_ptr(v, lane), *cluster_ptr(i, lane)} : ArgMax{-INFINITY, 0x7fffffff};
+    return warp_argmax(a);
 }
 
 // Inclusive prefix sum over the block in thread order; incl[] (blockDim floats of shared memory) keeps

@@ -245,6 +245,13 @@ __device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
     FLLAMA_CLUSTER_ASM("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
     return remote;
 }
+// A generic pointer to what `p` points at in block `rank` of the cluster (loads, stores and atomics reach it).
+template <typename X>
+__device__ __forceinline__ X* cluster_ptr(X* p, int rank) {
+    unsigned long long r = 0;
+    FLLAMA_CLUSTER_ASM("mapa.u64 %0, %1, %2;\n" : "=l"(r) : "l"(p), "r"(rank));
+    return reinterpret_cast<X*>(r);
+}
 // The two halves of cluster_sync, for a barrier phase that only says "every block has started" (relaxed: it orders
 // no memory) or whose waiters are a subset of the cluster. The wait counts only threads that have not exited
 // (PTX ISA, barrier.cluster), so a block may arrive and exit, or exit without arriving.
