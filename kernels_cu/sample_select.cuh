@@ -67,24 +67,41 @@ struct Prefix {
     uint32_t ph, mh, pl, ml;
 };
 
-// One digit over the P blocks of the row's cluster (P == 1: this block alone): this block's segments histogrammed
-// (one shared-memory atomic a key: merging a warp's adds to one bin by __match_any_sync measured slower, H200),
-// the blocks' histograms summed, the digit chosen into sh.
-template <bool LOW, typename T>
-__device__ void select_pass(const Row<T>& row, int V, int s_lo, int s_hi, int P, Prefix q, int shift, int pass,
-                            SelectShared& sh) {
-    int* hist = sh.hist[pass & 1];
+// The first digit's histogram, which the max pass fills (sampling.cu: every token counts, one pass fewer): hist[0]
+// and sum cleared, before a barrier.
+__device__ __forceinline__ void clear_first_hist(SelectShared& sh) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        hist[i] = 0;
+        sh.hist[0][i] = 0;
         sh.sum[i] = 0;
     }
-    __syncthreads();
-    for_each_segment(row, V, s_lo, s_hi, [&](int v, float x, bool ok) {
-        const uint32_t key = float_key(x), iv = 0xffffffffu - (uint32_t)v;
-        ok = ok && (key & q.mh) == q.ph && (!LOW || (iv & q.ml) == q.pl);
-        if (__ballot_sync(FULL_MASK, ok) == 0) return;  // later digits: most warps hold no key of the prefix
-        if (ok) atomicAdd(&hist[((LOW ? iv : key) >> shift) & 255u], 1);
-    }, [](int) {});
+}
+
+// One digit over the P blocks of the row's cluster (P == 1: this block alone): this block's segments histogrammed
+// (one shared-memory atomic a key: merging a warp's adds to one bin by __match_any_sync measured slower, H200;
+// walk false: hist[0] is already the first digit's), the blocks' histograms summed, the digit chosen into sh.
+// The prefix's keys are one range, so a token whose penalized logit is outside its logit_bounds skips the division
+// and the key (most tokens from the second digit on); the rest take a predicated atomic (a warp vote a token ahead
+// of it made the one-block kernel's passes ~25% more instructions).
+template <bool LOW, typename T>
+__device__ void select_pass(const Row<T>& row, int V, int s_lo, int s_hi, int P, Prefix q, int shift, int pass,
+                            bool walk, SelectShared& sh) {
+    int* hist = sh.hist[pass & 1];
+    if (walk) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+            hist[i] = 0;
+            sh.sum[i] = 0;
+        }
+        const LogitBounds lb = logit_bounds(q.ph, q.ph | ~q.mh, row.inv_temp_div, row.scaled);
+        __syncthreads();
+        for_each_segment(row, V, s_lo, s_hi, [&](int v, float l, bool ok) {
+            if (!ok) return;
+            l = row.penalized(v, l);
+            if (l <= lb.lo || l >= lb.hi) return;  // outside the prefix's keys
+            const uint32_t key = float_key(row.scale(l)), iv = 0xffffffffu - (uint32_t)v;
+            if ((key & q.mh) == q.ph && (!LOW || (iv & q.ml) == q.pl))
+                atomicAdd(&hist[((LOW ? iv : key) >> shift) & 255u], 1);
+        }, [](int) {});
+    }
     if (P > 1) {
         cluster_sync();  // every block's histogram is complete (release / acquire)
         // 4 threads a bin, each adding up to 4 blocks' counts, their loads in flight together
@@ -108,6 +125,7 @@ struct Threshold {
 
 // The k-th largest key (keys >= it: the top k and the ties with the k-th). Where those ties would overflow
 // CAND_CAP, the select goes on over ~token among them: the lowest indices are kept, the same ones for any P.
+// The caller has histogrammed the first digit into hist[0] (clear_first_hist, then the max pass) when k < V.
 template <typename T>
 __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int s_hi, int P, SelectShared& sh) {
     Threshold t{0u, 0u, 0};
@@ -115,7 +133,8 @@ __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int
     if (threadIdx.x == 0) sh.remaining = k;
     Prefix q{0u, 0u, 0u, 0u};
     for (int shift = 24; shift >= 0; shift -= 8) {
-        select_pass<false>(row, V, s_lo, s_hi, P, q, shift, t.passes++, sh);
+        select_pass<false>(row, V, s_lo, s_hi, P, q, shift, t.passes, t.passes > 0, sh);
+        ++t.passes;
         q.ph |= sh.digit << shift;
         q.mh |= 255u << shift;
         if (sh.done) break;  // every key with this prefix is in: lower bits of the threshold stay 0
@@ -126,7 +145,8 @@ __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int
     __syncthreads();  // every thread has read remaining / tie / done
     if (threadIdx.x == 0) sh.remaining = CAND_CAP - greater;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        select_pass<true>(row, V, s_lo, s_hi, P, q, shift, t.passes++, sh);
+        select_pass<true>(row, V, s_lo, s_hi, P, q, shift, t.passes, true, sh);
+        ++t.passes;
         q.pl |= sh.digit << shift;
         q.ml |= 255u << shift;
         if (sh.done) break;
@@ -135,30 +155,58 @@ __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int
     return t;
 }
 
-// This block's segments: candidates (not NaN, at or above t) into `cand` through the slot counter `n_cand` (one
-// atomic a warp), and each segment's sum of exp(x - m) (8 tokens a thread in order, the warp's xor tree, the 32
-// warps in order). cand / n_cand / seg_dst may be block 0's, in another block of the cluster: segment s's sum goes
-// to seg_dst[s]; seg_dst null (one block): the sums are folded in segment order into sh.z_full (by thread 0, read
-// after a barrier), as block 0 of a cluster folds seg_dst.
+// Token v of value x into `cand` through the slot counter `n_cand` when it is a candidate: not NaN, and key > t.hi,
+// or key == t.hi and ~token >= t.lo (bound: one 64-bit compare of the sort key). A predicated atomic: the compiler
+// aggregates a warp's candidates into one, and a token that is none costs a compare, not a warp vote; slots come in
+// any order, the sort orders them.
+__device__ __forceinline__ void push_candidate(float x, int v, unsigned long long bound, unsigned long long* cand,
+                                               int* n_cand) {
+    const unsigned long long c = ((unsigned long long)float_key(x) << 32) | (0xffffffffu - (uint32_t)v);
+    if (c >= bound && !isnan(x)) {
+        const int slot = atomicAdd(n_cand, 1);
+        if (slot < CAND_CAP) cand[slot] = c;
+    }
+}
+
+__device__ __forceinline__ unsigned long long candidate_bound(Threshold t) {
+    return ((unsigned long long)t.hi << 32) | t.lo;
+}
+
+// Top-k rows (top_k > 0) draw from the candidates' own mass, not the row's: this block's segments' candidates alone
+// (cand / n_cand may be block 0's), a token whose penalized logit is under the threshold's logit_bounds skipping
+// the division.
 template <typename T>
+__device__ void gather_top_k(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, unsigned long long* cand,
+                             int* n_cand) {
+    const unsigned long long bound = candidate_bound(t);
+    const LogitBounds lb = logit_bounds(t.hi, 0xffffffffu, row.inv_temp_div, row.scaled);
+    for_each_segment(row, V, s_lo, s_hi, [&](int v, float l, bool ok) {
+        if (!ok) return;
+        l = row.penalized(v, l);
+        if (l <= lb.lo) return;  // under the k-th value
+        push_candidate(row.scale(l), v, bound, cand, n_cand);
+    }, [](int) {});
+}
+
+// Top-p rows: this block's segments' candidates (push_candidate), and each segment's sum of exp(x - m) (8 tokens a
+// thread in order, the warp's xor tree, the 32 warps in order), which normalises the nucleus. CL: cand / n_cand /
+// seg_dst are block 0's, maybe in another block of the cluster, and segment s's sum goes to seg_dst[s]; else (one
+// block) the sums are folded in segment order into sh.z_full (by thread 0, read after a barrier), as block 0 of a
+// cluster folds seg_dst.
+template <bool CL, typename T>
 __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, float m, SelectShared& sh,
                        unsigned long long* cand, int* n_cand, float* seg_dst) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned long long bound = candidate_bound(t);
     float z = 0.0f;  // thread 0's, one block
     for (int g = s_lo; g < s_hi; g += SEG_GROUP) {
         const int g_hi = min(s_hi, g + SEG_GROUP);
         float zc = 0.0f;
-        for_each_segment(row, V, g, g_hi, [&](int v, float x, bool ok) {
-            if (ok) zc += expf(x - m);
-            const uint32_t key = float_key(x), iv = 0xffffffffu - (uint32_t)v;
-            const bool c = ok && !isnan(x) && (key > t.hi || (key == t.hi && iv >= t.lo));
-            const unsigned want = __ballot_sync(FULL_MASK, c);
-            if (want == 0) return;
-            const int leader = __ffs(want) - 1;
-            int base = 0;
-            if (lane == leader) base = atomicAdd(n_cand, __popc(want));
-            const int slot = __shfl_sync(FULL_MASK, base, leader) + __popc(want & ((1u << lane) - 1u));
-            if (c && slot < CAND_CAP) cand[slot] = ((unsigned long long)key << 32) | iv;
+        for_each_segment(row, V, g, g_hi, [&](int v, float l, bool ok) {
+            if (!ok) return;
+            const float x = row.value_of(v, l);
+            zc += expf(x - m);
+            push_candidate(x, v, bound, cand, n_cand);
         }, [&](int s) {
             const float w = warp_sum(zc);
             if (lane == 0) sh.segw[(s - g) * 32 + warp] = w;
@@ -169,14 +217,14 @@ __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t
         if (s < g_hi) {
             float sum = 0.0f;
             for (int w = 0; w < 32; ++w) sum += sh.segw[threadIdx.x * 32 + w];
-            if (seg_dst == nullptr) sh.seg[threadIdx.x] = sum;
+            if (!CL) sh.seg[threadIdx.x] = sum;
             else if (s < SEG_CAP) seg_dst[s] = sum;
         }
         __syncthreads();  // segw is read before the next group writes it (and thread 0 folds seg before that)
-        if (seg_dst == nullptr && threadIdx.x == 0)
+        if (!CL && threadIdx.x == 0)
             for (int i = 0; i < g_hi - g; ++i) z += sh.seg[i];
     }
-    if (seg_dst == nullptr && threadIdx.x == 0) sh.z_full = z;
+    if (!CL && threadIdx.x == 0) sh.z_full = z;
 }
 
 }  // namespace fllama

@@ -16,6 +16,33 @@ __device__ __forceinline__ float key_float(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
+// Penalized logits outside (lo, hi) have values (after the temperature) outside a key range, so a select pass may
+// skip their IEEE division: division by a positive temperature, rounded to nearest, is monotone. A NaN bound skips
+// nothing (comparisons with NaN are false), nor does a NaN logit.
+struct LogitBounds {
+    float lo, hi;
+};
+
+// Bounds for keys [k_lo, k_hi] and temperature t (scaled false: no division): lo / t rounds below the range's
+// least value and hi / t above its greatest, each checked with the division the row uses (a few steps of
+// nextafterf from the product); an end at +-inf or NaN, an odd temperature or a search that fails: no bound there.
+__device__ LogitBounds logit_bounds(uint32_t k_lo, uint32_t k_hi, float t, bool scaled) {
+    const float v_lo = key_float(k_lo), v_hi = key_float(k_hi), nan = __int_as_float(0x7fffffff);
+    LogitBounds b{nan, nan};
+    const bool t_ok = !scaled || (t >= 1e-6f && t <= 1e6f);
+    if (t_ok && isfinite(v_lo)) {
+        float l = scaled ? __fmul_rn(v_lo, t) : v_lo;
+        for (int i = 0; i < 4 && !((scaled ? __fdiv_rn(l, t) : l) < v_lo); ++i) l = nextafterf(l, -INFINITY);
+        if ((scaled ? __fdiv_rn(l, t) : l) < v_lo) b.lo = l;
+    }
+    if (t_ok && isfinite(v_hi)) {
+        float l = scaled ? __fmul_rn(v_hi, t) : v_hi;
+        for (int i = 0; i < 4 && !((scaled ? __fdiv_rn(l, t) : l) > v_hi); ++i) l = nextafterf(l, INFINITY);
+        if ((scaled ? __fdiv_rn(l, t) : l) > v_hi) b.hi = l;
+    }
+    return b;
+}
+
 template <typename T>
 struct Row {
     const T* logits;
@@ -24,10 +51,11 @@ struct Row {
     bool scaled;
 
     // logit l of token v (as loaded) -> the value the sampler ranks: the penalty, then the temperature
-    __device__ __forceinline__ float value_of(int v, float l) const {
-        if (penalty != 1.0f && seen[v]) l = l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty);
-        return scaled ? __fdiv_rn(l, inv_temp_div) : l;
+    __device__ __forceinline__ float penalized(int v, float l) const {
+        return penalty != 1.0f && seen[v] ? (l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty)) : l;
     }
+    __device__ __forceinline__ float scale(float l) const { return scaled ? __fdiv_rn(l, inv_temp_div) : l; }
+    __device__ __forceinline__ float value_of(int v, float l) const { return scale(penalized(v, l)); }
     __device__ __forceinline__ float value(int v) const { return value_of(v, static_cast<float>(logits[v])); }
 };
 
@@ -88,9 +116,10 @@ __device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) 
 constexpr int SEG_CHUNKS = 1024;
 constexpr int SEG_TOKENS = 8 * SEG_CHUNKS;
 
-// Segments [s_lo, s_hi): every thread calls f(v, value, ok) for the 8 tokens of its chunk s * SEG_CHUNKS + tid
-// (ok false past the row's end) and then end(s), the same number of times in every thread (blockDim must be
-// SEG_CHUNKS), so f and end may use warp collectives over the full warp.
+// Segments [s_lo, s_hi): every thread calls f(v, l, ok) for the 8 tokens of its chunk s * SEG_CHUNKS + tid, l the
+// logit as loaded (f takes row.value_of(v, l) where it needs the value; ok false past the row's end: l 0, seen not
+// to be read) and then end(s), the same number of times in every thread (blockDim must be SEG_CHUNKS), so f and end
+// may use warp collectives over the full warp.
 template <typename T, typename F, typename E>
 __device__ __forceinline__ void for_each_segment(const Row<T>& row, int V, int s_lo, int s_hi, F&& f, E&& end) {
     using L = ChunkLoads<T>;
@@ -106,10 +135,7 @@ __device__ __forceinline__ void for_each_segment(const Row<T>& row, int V, int s
             if (s0 + u >= s_hi) break;  // uniform over the block
             const int v0 = (s0 + u) * SEG_TOKENS + 8 * threadIdx.x;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const bool ok = v0 + e < V;
-                f(v0 + e, ok ? row.value_of(v0 + e, ld.logit(u, e)) : 0.0f, ok);
-            }
+            for (int e = 0; e < 8; ++e) f(v0 + e, ld.logit(u, e), v0 + e < V);
             end(s0 + u);
         }
     }

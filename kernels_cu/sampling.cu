@@ -16,11 +16,12 @@
 // greedy (argmax, lowest index on ties) when temperature == 0 or top_k == 1, else divide by temperature,
 // keep the top_k largest (ties with the k-th kept), keep the smallest prefix of those in descending order
 // whose mass before each kept token is < top_p, and draw from the softmax of what is left.
-//   - top_k > 0 or top_p < 1: a radix select (sample_select.cuh) finds the k-th largest value (k = top_k, or
-//     MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties, the lowest indices beyond) are
-//     bitonic-sorted in shared memory, and one warp scans them for the nucleus and the draw. With top_p alone
-//     the nucleus is therefore limited to the MAX_K largest logits (the mass is still normalised over the whole
-//     vocabulary, summed over fixed 8,192-token segments so that a cluster's sum is the one block's).
+//   - top_k > 0 or top_p < 1: a radix select (sample_select.cuh; its first digit counted in the max pass) finds
+//     the k-th largest value (k = top_k, or MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties,
+//     the lowest indices beyond) are bitonic-sorted in shared memory, and one warp scans them for the nucleus and
+//     the draw. With top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
+//     normalised over the whole vocabulary, summed over fixed 8,192-token segments so that a cluster's sum is the
+//     one block's).
 //   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order.
 // Random numbers: Philox-4x32-10 keyed by the row's seed, counter = its draw counter, so replays of one graph
 // draw fresh numbers and a row's stream depends neither on the batch it runs in nor on its slot.
@@ -116,15 +117,26 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     // max (and argmax, the greedy answer and the fallback of the draws), over this block's slice of the row's
     // 8-token chunks (16-byte aligned wherever V % 8 == 0): the whole row without a cluster
     row.scaled = !(temperature <= 0.0f || top_k == 1);
+    // top-k / top-p rows keep the whole cluster for the select; the others leave it to block 0 after this pass
+    const bool select = row.scaled && !(top_k == 0 && top_p >= 1.0f);
+    const int k = min(top_k > 0 ? top_k : MAX_K, V);
     const int chunks = (V + 7) / 8, per_block = (chunks + P - 1) / P;
     const int c_lo = min(chunks, rank * per_block), c_hi = min(chunks, c_lo + per_block);
     ArgMax best{-INFINITY, 0x7fffffff};
-    for_each_value(row, V, c_lo, c_hi, [&](int v, float x) {
+    const auto argmax_of = [&](int v, float x) {
         if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
-    });
-    best = block_argmax(best, sh.fv, sh.fi);
-    // top-k / top-p rows keep the whole cluster for the select; the others leave it to block 0 here
-    const bool select = row.scaled && !(top_k == 0 && top_p >= 1.0f);
+    };
+    if (select && k < V) {  // the select's first digit over every token here: radix_select walks the row once less
+        clear_first_hist(sh.sel);
+        __syncthreads();
+        for_each_value(row, V, c_lo, c_hi, [&](int v, float x) {
+            argmax_of(v, x);
+            atomicAdd(&sh.sel.hist[0][float_key(x) >> 24], 1);
+        });
+    } else {
+        for_each_value(row, V, c_lo, c_hi, argmax_of);
+    }
+    best = block_argmax(best, sh.fv, sh.fi);  // (its barriers complete hist[0] too)
     if (CL && !select && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: done
     int argmax = best.i < V ? best.i : 0;
     float m = best.v;
@@ -163,7 +175,6 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         token = sh.pick != 0x7fffffff ? sh.pick : argmax;
     } else {
         // ---- top-k / top-p: the candidates over this block's segments (sample_select.cuh), sorted, scanned
-        const int k = min(top_k > 0 ? top_k : MAX_K, V);
         const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
         const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);
         if (CL) cluster_wait_acquire();  // phase 1: every block has started, so its shared memory may be written
@@ -171,23 +182,26 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             sh.sel.win_v = best.v;
             sh.sel.win_i = best.i;
             sh.sel.n_cand = 0;
+            sh.sel.z_full = 0.0f;  // top-k rows: no sum (the draw's mass is the candidates')
         }
         const Threshold t = radix_select(row, V, k, s_lo, s_hi, P, sh.sel);
         if (t.passes == 0) {
             if (CL) cluster_sync();
             else __syncthreads();
         }
-        if (CL) {  // the row's max from every block's winner: each block's segment sums need m
+        if (CL) {  // the row's max from every block's winner: the segment sums and block 0's draw need m
             best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
             argmax = best.i < V ? best.i : 0;
             m = best.v;
         }
-        gather(row, V, s_lo, s_hi, t, m, sh.sel, CL ? cluster_ptr(sh.sel.cand, 0) : sh.sel.cand,
-               CL ? cluster_ptr(&sh.sel.n_cand, 0) : &sh.sel.n_cand, CL ? cluster_ptr(sh.sel.seg, 0) : nullptr);
+        unsigned long long* const cand = CL ? cluster_ptr(sh.sel.cand, 0) : sh.sel.cand;
+        int* const n_cand = CL ? cluster_ptr(&sh.sel.n_cand, 0) : &sh.sel.n_cand;
+        if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, cand, n_cand);
+        else gather<CL>(row, V, s_lo, s_hi, t, m, sh.sel, cand, n_cand, CL ? cluster_ptr(sh.sel.seg, 0) : nullptr);
         if (CL) {
             cluster_sync();  // block 0 holds every candidate and segment sum; nobody reads another block after it
             if (rank != 0) return;
-            if (tid == 0) {  // the segments in order, as the one-block gather folds them
+            if (tid == 0 && top_k == 0) {  // the segments in order, as the one-block gather folds them
                 float z = 0.0f;
                 for (int i = 0; i < min(segs, SEG_CAP); ++i) z += sh.sel.seg[i];
                 sh.sel.z_full = z;

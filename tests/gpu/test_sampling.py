@@ -8,7 +8,7 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, randn
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from kernels_cu import build  # noqa: E402
+from kernels_cu import build, tuning  # noqa: E402
 from kernels_cu.sampling import GpuSampler, StepState, params_tensor, sampling_probs_ref  # noqa: E402
 from model_zoo.sampling import SamplingConfig  # noqa: E402
 
@@ -115,6 +115,42 @@ def test_ties_at_the_kth_value_are_all_candidates():
     ok, msg = chi_square_ok(tokens, probs)
     assert ok, msg
 
+
+@pytest.mark.parametrize("blocks", [0, 8])
+@pytest.mark.parametrize("V", [32000, 128256])
+@pytest.mark.parametrize("temperature,penalty", [(1.0, 1.0), (0.7, 1.0), (0.37, 1.3), (3.0, 1.3)])
+def test_top_k_at_a_key_bin_edge_keeps_exactly_the_top_k(blocks, V, temperature, penalty):
+    """The select skips tokens by bounds on the penalized logit (sample_select.cuh) and takes its first digit
+    from the max pass: 32 values a few ulps either side of 4.0 (an edge of every digit's bins) after the penalty
+    and the temperature, spread over the row's segments, still split exactly at the k-th: the draws cover the
+    reference's top 16 (ties kept) and nothing else, on one block and on a cluster."""
+    if blocks and not build.has_clusters(torch.cuda.current_device()):
+        pytest.skip("thread-block clusters need sm_90")
+    g = torch.Generator().manual_seed(V)
+    t32 = torch.tensor(temperature, dtype=torch.float32)
+    idx = torch.randperm(V, generator=g)[:32]
+    seen_idx = idx[::2] if penalty != 1.0 else idx[:0]  # half of them seen: their logits / penalty land there too
+    steps = torch.cat([torch.arange(1, 17), -torch.arange(1, 17)])[torch.randperm(32, generator=g)]
+    row = torch.full((V,), -8.0)  # [V]
+    for i, step in zip(idx.tolist(), steps.tolist()):
+        edge = torch.tensor(4.0) * t32 * (torch.tensor(penalty) if i in set(seen_idx.tolist()) else 1.0)
+        row[i] = (edge.view(torch.int32) + step).view(torch.float32)
+    B, calls = 64, 60
+    logits = row.cuda().repeat(B, 1)  # [B, V] fp32
+    mask = torch.zeros(B, V, dtype=torch.uint8, device="cuda")  # [B, V]
+    mask[:, seen_idx.cuda()] = 1
+    cfg = SamplingConfig(temperature=temperature, top_k=16, top_p=1.0, repetition_penalty=penalty)
+    s = GpuSampler(B, V, [V + 1], seed=5, config=cfg)
+    out = []
+    with tuning.override(sample_cluster_blocks=blocks, sample_cluster_min_vocab=0):
+        for _ in range(calls):
+            s.seen.copy_(mask)  # the penalty's state fixed (the kernel marks what it samples)
+            out.append(s.sample(logits).clone())
+    tokens = torch.stack(out).long().cpu()  # [calls, B]
+    probs = sampling_probs_ref(logits[:1], params_tensor(cfg, 1).cuda(), mask[:1])[0]
+    support = set(torch.nonzero(probs > 0).view(-1).tolist())
+    assert len(support) >= 16 and support <= set(idx.tolist())
+    assert set(tokens.view(-1).tolist()) == support
 
 
 def test_step_state_feeds_the_next_step():
