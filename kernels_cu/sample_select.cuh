@@ -67,11 +67,11 @@ struct Prefix {
     uint32_t ph, mh, pl, ml;
 };
 
-// The first digit's histogram, which the max pass fills (sampling.cu: every token counts, one pass fewer): hist[0]
-// and sum cleared, before a barrier.
-__device__ __forceinline__ void clear_first_hist(SelectShared& sh) {
+// Pass `pass`'s histogram and the cluster's sum cleared, before a barrier. Pass 0's is filled by the max pass
+// (sampling.cu: every token counts, one walk of the row fewer).
+__device__ __forceinline__ void clear_hist(SelectShared& sh, int pass) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        sh.hist[0][i] = 0;
+        sh.hist[pass & 1][i] = 0;
         sh.sum[i] = 0;
     }
 }
@@ -87,10 +87,7 @@ __device__ void select_pass(const Row<T>& row, int V, int s_lo, int s_hi, int P,
                             bool walk, SelectShared& sh) {
     int* hist = sh.hist[pass & 1];
     if (walk) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-            hist[i] = 0;
-            sh.sum[i] = 0;
-        }
+        clear_hist(sh, pass);
         const LogitBounds lb = logit_bounds(q.ph, q.ph | ~q.mh, row.inv_temp_div, row.scaled);
         __syncthreads();
         for_each_segment(row, V, s_lo, s_hi, [&](int v, float l, bool ok) {
@@ -125,7 +122,7 @@ struct Threshold {
 
 // The k-th largest key (keys >= it: the top k and the ties with the k-th). Where those ties would overflow
 // CAND_CAP, the select goes on over ~token among them: the lowest indices are kept, the same ones for any P.
-// The caller has histogrammed the first digit into hist[0] (clear_first_hist, then the max pass) when k < V.
+// The caller has histogrammed the first digit into hist[0] (clear_hist(sh, 0), then the max pass) when k < V.
 template <typename T>
 __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int s_hi, int P, SelectShared& sh) {
     Threshold t{0u, 0u, 0};

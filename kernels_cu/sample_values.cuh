@@ -23,24 +23,24 @@ struct LogitBounds {
     float lo, hi;
 };
 
+// A logit whose value (divided by t when scaled) lies strictly beyond v toward `dir` (-INFINITY: below, INFINITY:
+// above), checked with the division the row uses (a few steps of nextafterf from the product v * t); NaN (no bound)
+// where v is +-inf or NaN, the temperature is odd, or the search fails.
+__device__ __forceinline__ float logit_beyond(float v, float t, bool scaled, float dir) {
+    const auto beyond = [&](float l) {
+        const float x = scaled ? __fdiv_rn(l, t) : l;
+        return dir < 0.0f ? x < v : x > v;
+    };
+    if ((scaled && !(t >= 1e-6f && t <= 1e6f)) || !isfinite(v)) return __int_as_float(0x7fffffff);
+    float l = scaled ? __fmul_rn(v, t) : v;
+    for (int i = 0; i < 4 && !beyond(l); ++i) l = nextafterf(l, dir);
+    return beyond(l) ? l : __int_as_float(0x7fffffff);
+}
+
 // Bounds for keys [k_lo, k_hi] and temperature t (scaled false: no division): lo / t rounds below the range's
-// least value and hi / t above its greatest, each checked with the division the row uses (a few steps of
-// nextafterf from the product); an end at +-inf or NaN, an odd temperature or a search that fails: no bound there.
+// least value and hi / t above its greatest.
 __device__ LogitBounds logit_bounds(uint32_t k_lo, uint32_t k_hi, float t, bool scaled) {
-    const float v_lo = key_float(k_lo), v_hi = key_float(k_hi), nan = __int_as_float(0x7fffffff);
-    LogitBounds b{nan, nan};
-    const bool t_ok = !scaled || (t >= 1e-6f && t <= 1e6f);
-    if (t_ok && isfinite(v_lo)) {
-        float l = scaled ? __fmul_rn(v_lo, t) : v_lo;
-        for (int i = 0; i < 4 && !((scaled ? __fdiv_rn(l, t) : l) < v_lo); ++i) l = nextafterf(l, -INFINITY);
-        if ((scaled ? __fdiv_rn(l, t) : l) < v_lo) b.lo = l;
-    }
-    if (t_ok && isfinite(v_hi)) {
-        float l = scaled ? __fmul_rn(v_hi, t) : v_hi;
-        for (int i = 0; i < 4 && !((scaled ? __fdiv_rn(l, t) : l) > v_hi); ++i) l = nextafterf(l, INFINITY);
-        if ((scaled ? __fdiv_rn(l, t) : l) > v_hi) b.hi = l;
-    }
-    return b;
+    return {logit_beyond(key_float(k_lo), t, scaled, -INFINITY), logit_beyond(key_float(k_hi), t, scaled, INFINITY)};
 }
 
 template <typename T>

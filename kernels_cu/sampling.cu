@@ -127,7 +127,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
     };
     if (select && k < V) {  // the select's first digit over every token here: radix_select walks the row once less
-        clear_first_hist(sh.sel);
+        clear_hist(sh.sel, 0);
         __syncthreads();
         for_each_value(row, V, c_lo, c_hi, [&](int v, float x) {
             argmax_of(v, x);
