@@ -79,19 +79,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// wgmma.hpp's fence_operands for any accumulator count.
-template <int N>
-__device__ __forceinline__ void pin(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Relaxed: a release would make the arriving lane wait for its own weight loads in flight (awq_wgmma.cu); the
-// wgmma's shared-memory reads are complete once wgmma.wait_group returned.
-__device__ __forceinline__ void mbar_arrive_relaxed(uint32_t bar) {
-    asm volatile("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
 // Both stages' A fragments of a tile (k16 steps 0-3, 4-7): its packed words rearranged, then converted.
 __device__ __forceinline__ void convert_tile(PanelTile& pt, int lane, uint32_t (&a)[2][4][4]) {
     natural_k(pt, lane);
@@ -191,14 +178,14 @@ __device__ __forceinline__ void awq_wgmma_decode(__half* y, const __half* __rest
             xs.next();
             const uint64_t d0 = sw128_desc(smem_addr + s0 * L::X_BYTES);
             const uint64_t d1 = sw128_desc(smem_addr + s1 * L::X_BYTES);
-            pin(d);
+            fence_operands(d);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) wgmma_rs(d, a[j & 1][0][ks], d0 + 2 * ks);
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) wgmma_rs(d, a[j & 1][1][ks], d1 + 2 * ks);
             wgmma_commit();
-            pin(d);
+            fence_operands(d);
             wgmma_wait<1>();  // tile t - 1 retired: its A set and its two slots are free
             if (t > 0 && lane == 0) {
                 mbar_arrive_relaxed(bars + L::EMPTY + 8 * prev0);
@@ -214,7 +201,7 @@ __device__ __forceinline__ void awq_wgmma_decode(__half* y, const __half* __rest
         }
     }
     wgmma_wait<0>();
-    pin(d);
+    fence_operands(d);
     pdl_launch_dependents();
 
     // Accumulator d[4 j + 2 h + e]: channel n0 + 16 warp + 8 h + lane / 4, token m0 + 8 j + 2 (lane % 4) + e.

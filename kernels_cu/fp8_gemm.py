@@ -8,14 +8,15 @@ float8_e4m3fn [N, K] with a scale per output channel. Only the order of the fp32
 reference, so the outputs agree to fp32 summation order, and the decode GEMV quantizes its input exactly as the
 prefill GEMM does: decode and prefill share one numeric, the reference's.
 
-Up to tuning.fp8_gemv_max_m rows: fp8_gemv (decode), a memory-bound tensor-core GEMV that converts both operands
-to exact fp16 in registers; it reads the same bytes as the int8 GEMV. More rows on Hopper: fp8_wgmma (wgmma e4m3,
-f32 accumulators); elsewhere (Ada) the GEMV at any M. `fp8_linear` (the engine's call) quantizes first, or up to
-tuning.fp8_xq_max_rows rows runs fp8_gemv_xq, which quantizes its fp16 input itself: the same codes and sums, bit
-for bit, and no quantize kernel in the decode step (one row: fp8_gemv_xq1, whose warps share the row's work). `fp8_linear_norm` takes a NormIn (an RMSNorm's input and
-weight) and runs fp8_gemv_nq, which also applies the norm: rmsnorm + fp8_quantize + fp8_gemv's bits, and no norm
-kernel. `fp8_swiglu`: a gate|up weight interleaved by 8 (swiglu_layout.py, w_scale in the same order) ->
-silu(gate) * up [M, F] from either kernel's epilogue.
+Up to tuning.fp8_gemv_max_m rows: fp8_gemv (decode), a memory-bound tensor-core GEMV that converts both operands to
+exact fp16 in registers; it reads the same bytes as the int8 GEMV; on Hopper the wide products of 17-32 rows run
+fp8_wgmma_decode instead (wgmma e4m3, no conversions; tuning.fp8_wgmma_decode*). More rows on Hopper: fp8_wgmma
+(wgmma e4m3, f32 accumulators); elsewhere (Ada) the GEMV at any M. `fp8_linear` (the engine's call) quantizes first,
+or up to tuning.fp8_xq_max_rows rows runs fp8_gemv_xq, which quantizes its fp16 input itself: the same codes and
+sums, bit for bit, and no quantize kernel in the decode step (one row: fp8_gemv_xq1, whose warps share the row's
+work). `fp8_linear_norm` takes a NormIn (an RMSNorm's input and weight) and runs fp8_gemv_nq, which also applies the
+norm: rmsnorm + fp8_quantize + fp8_gemv's bits, and no norm kernel. `fp8_swiglu`: a gate|up weight interleaved by 8
+(swiglu_layout.py, w_scale in the same order) -> silu(gate) * up [M, F] from either kernel's epilogue.
 
 The one-row decode chain (int8's, deferred_quant.cuh): `fp8_gemm_deferred` takes a DeferredQuant (fp16 x and its row
 max from the kernel before: attention's units, or the SwiGLU GEMV's atomic max) and may write the next RMSNorm's
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels_cu import build, fp8_wgmma, norm_fold, tuning
+from kernels_cu import build, fp8_wgmma, fp8_wgmma_decode, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
 from kernels_cu.fp8_quantize import (FP8, FP8_MAX, MIN_AMAX, check_static_scale, fp8_quantize, fp8_quantize_fold,
                                      fp8_quantize_ref)
@@ -61,15 +62,15 @@ def fp8_gemm(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale:
     x8 may also be the codes' exact fp16 values (fp8_quantize_fold(values=True)): the GEMV then converts only the
     weights (fp8_gemv_h*, 8 or 16 rows a block).
 
-    wgmma: None chooses the kernel (fp8_wgmma.takes); True forces fp8_wgmma.cu at any M (tests, benchmarks: an
-    sm_90 GPU, N % 16 == 0); False the GEMV at any M. fold_out (the GEMV, with the residual): the next RMSNorm
-    deferred in int8's format, its xg, sums and maxima per 8 channels written as well."""
+    wgmma: None chooses the kernel (fp8_wgmma_decode.runs, fp8_wgmma.takes); True forces fp8_wgmma.cu at any M
+    (tests, benchmarks: an sm_90 GPU, N % 16 == 0); False the GEMV at any M. fold_out (the GEMV or the decode GEMM,
+    with the residual): the next RMSNorm deferred in int8's format, its xg, sums and maxima per 8 channels written."""
     M, K, N = _check(x8, a_scale, w8, w_scale, residual)
     if fold_out is not None:
         if residual is None:
             raise ValueError("an fp8 GEMV defers the next RMSNorm with its residual")
         norm_fold.check_out(fold_out, M, N, int8=True)
-        wgmma = False
+        wgmma = None if wgmma is None else False  # fp8_wgmma.cu writes no fold (None: the GEMV or the decode GEMM)
     with build.on_stream():
         y = out_or_new(out, (M, N), torch.float16, x8, "out", align=4)
         _run(y, x8, a_scale, w8, w_scale, residual, "res" if residual is not None else "plain", wgmma, fold_out)
@@ -81,12 +82,13 @@ def fp8_swiglu(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scal
                part: torch.Tensor | None = None) -> torch.Tensor:
     """The gate|up linear with the SwiGLU in its epilogue: w8 [2F, K] and w_scale [2F] interleaved by 8
     (swiglu_layout.interleave_gate_up) -> silu(gate) * up fp16 [M, F], silu_mul's rounding of the two products.
-    part fp32 [M, F / 8] (the GEMV): also each 8 channels' max |y|, for a down_proj's fp8_quantize_fold."""
+    part fp32 [M, F / 8] (the GEMV or the decode GEMM): also each 8 channels' max |y|, for a down_proj's
+    fp8_quantize_fold."""
     M, K, N2 = _check(x8, a_scale, w8, w_scale, None)
     check_multiple(N2, 16, "an interleaved gate|up weight's rows")
     if part is not None:
         check_tensor(part, "part", torch.float32, (M, N2 // 16), align=4)
-        wgmma = False
+        wgmma = None if wgmma is None else False  # fp8_wgmma.cu writes no maxima
     with build.on_stream():
         y = out_or_new(out, (M, N2 // 2), torch.float16, x8, "out", align=4)
         _run(y, x8, a_scale, w8, w_scale, None, "silu", wgmma, part=part)
@@ -322,8 +324,12 @@ def _run(y, x8, a_scale, w8, w_scale, residual, epilogue: str, wgmma: bool | Non
     if M == 0 or N == 0:
         return
     values = x8.dtype == torch.float16  # the codes' fp16 values: the h entries, never the wgmma GEMM
+    if wgmma is None and fp8_wgmma_decode.runs(x8, w8):  # wide products of 17-32 rows on Hopper
+        fp8_wgmma_decode.launch(y, x8, a_scale, w8, w_scale, residual, epilogue, fold_out, part)
+        return
     if wgmma is None:  # the GEMM beyond the GEMV's rows, or cuBLASLt's from tuning.fp8_library_min_m rows
-        wgmma = not values and (fp8_wgmma.takes(x8, N) or fp8_wgmma.library_runs(x8, N))
+        side = fold_out is not None or part is not None  # outputs only the GEMVs write
+        wgmma = not (values or side) and (fp8_wgmma.takes(x8, N) or fp8_wgmma.library_runs(x8, N))
     elif wgmma and (values or N % 16 or not build.has_wgmma(x8.device.index or 0)):
         raise ValueError(f"fp8_wgmma needs an sm_90 GPU and N % 16 == 0, got N={N}")
     a_stride = 1 if a_scale.numel() == M else 0

@@ -175,6 +175,25 @@ class Tuning:
     # block a row and two kernels). The norm then rounds as int8's fold does (one fp16 rounding fewer). H200: a
     # layer's GEMVs at one row 63.6 us against 71.5; fp8_quantize_fold 1.8-2.7 us against rmsnorm + fp8_quantize's 3.9.
     fp8_defer_max_rows: int = 64
+    # On Hopper, fp8 products of fp8_wgmma_decode_min_m rows up to the GEMV's / cuBLASLt's limits and at least
+    # fp8_wgmma_decode_min_n channels run the wgmma decode GEMM (fp8_wgmma_decode.cu: the tensor cores read e4m3 from
+    # shared memory), not the GEMV, whose conversion of every code to fp16 costs more than its weight bytes at 32
+    # rows. H200, LLaMA-2-7B at 32 rows: q|k|v 16.7 us against 21.3, gate|up 27.7 against 33.5; the engine +6.5% at
+    # batch 17 and 32 (fp8 / fp16 at batch 32: 1.31x). Off: the GEMV.
+    fp8_wgmma_decode: bool = True
+    # ... from this many rows: the bucket-32 steps. At 16 rows it wins alone too (q|k|v 16.6 us against 19.1, gate|up
+    # 27.4 against 29.2) but the engine at batch 16 gains 0.5%, within noise; at 8 rows it loses (the engine -1.9%).
+    fp8_wgmma_decode_min_m: int = 17
+    # ... for products this wide: o_proj and down_proj (4096 channels: 64 column blocks, too few to stream the weight
+    # without K splits and their workspace) keep the GEMV (32 rows: 14.4 us against 8.1, down 23.2 against 15.5).
+    fp8_wgmma_decode_min_n: int = 12288
+    # Its K splits where the column blocks leave SMs without one: as many as fill this many resident blocks a SM
+    # (its registers and ring allow three) ...
+    fp8_wgmma_decode_blocks_per_sm: int = 3
+    # ... at most this many (each adds a partial tile to the workspace) ...
+    fp8_wgmma_decode_max_splits: int = 8
+    # ... each at least this many 128-k tiles (fewer leave its 6-stage ring no room to fill).
+    fp8_wgmma_decode_min_tiles_per_split: int = 4
     # -- SwiGLU (silu_mul.py) --
     # Up to this many rows the int8 SwiGLU spreads each row over blocks: one block per row would leave all but a
     # few SMs idle (0: never).

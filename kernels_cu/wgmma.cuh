@@ -50,9 +50,10 @@ __device__ __forceinline__ void fence_operands(int (&d)[128]) {
 #pragma unroll
     for (int i = 0; i < 128; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
-__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+template <int N>  // any fp32 accumulator set (the decode GEMMs' m64n32 / m64n64 tiles too)
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // mbarriers (shared memory, 8 bytes) for the producer / consumer hand-off of warp-specialized pipelines: a
@@ -65,6 +66,11 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 // Release semantics: this thread's earlier shared-memory writes are visible to whoever waits the phase out.
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Relaxed: for a consumer whose wgmma reads of the slot are complete once wgmma.wait_group returned; a release would
+// make the arriving lane wait for its own global loads in flight and orders nothing the producer needs.
+__device__ __forceinline__ void mbar_arrive_relaxed(uint32_t bar) {
+    asm volatile("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile("{\n.reg .pred done;\nWAIT:\n"

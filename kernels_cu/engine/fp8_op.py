@@ -11,6 +11,9 @@ deferred forms instead: a FoldQuant for q|k|v and gate|up (fold_input: the norm 
 DeferredQuant for o_proj and down_proj (the maxima that attention or the gate|up GEMV wrote), and o_proj / down_proj
 write the next norm's FoldOut (fp8_gemm.py: quantized in the GEMV at one row, by fp8_quantize_fold beyond).
 
+On Hopper each op makes its weight's TMA map at load, for the wgmma decode GEMM that fp8_gemm runs on the wide
+products of 17-32 rows (fp8_wgmma_decode.py), so the decode graphs' captures make none.
+
 Where the product runs on cuBLASLt (prefill; fp8_wgmma.library_runs) and tuning.fp8_fused_quant, the kernels around
 it write what it takes: the RMSNorm its codes (norm_input: fp8_rmsnorm), the SwiGLU down_proj's codes (swiglu_for:
 fp8_silu_mul), and o_proj / down_proj return a ResidualSum that the next norm's kernel adds in place.
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kernels_cu import build, fp8_wgmma, tuning
+from kernels_cu import build, fp8_wgmma, fp8_wgmma_decode, tuning
 from kernels_cu.fp8_gemm import (FoldQuant, NormIn, fp8_gemm, fp8_gemm_deferred, fp8_gemm_fold, fp8_linear,
                                   fp8_linear_norm, fp8_swiglu, norm_launch)
 from kernels_cu.int8_gemm import DeferredQuant
@@ -78,6 +81,12 @@ class Fp8Op:
         self.w8 = w8.contiguous().view(FP8)  # [N, K] e4m3 codes
         self.w_scale = w_scale.contiguous()  # [N] fp32
         self.static_scale = static_scale  # [1] fp32 for static activations, None for per-token dynamic
+        # the wgmma decode GEMM's weight map, made now: a map made inside the decode graph's capture would put a
+        # put_map kernel before each launch and hold its weight copies behind the PDL wait
+        w = self.w8
+        mappable = w.shape[1] % 16 == 0 and w.data_ptr() % 16 == 0  # TMA: 16-byte rows and base
+        hopper = w.is_cuda and build.has_wgmma(w.device.index or 0)
+        self.decode_map = fp8_wgmma_decode.keep_weight_map(w) if hopper and mappable else None  # uint8 [128] or None
 
     def __call__(self, x: torch.Tensor | NormIn | FoldQuant | DeferredQuant, residual: torch.Tensor | None = None,
                  fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
