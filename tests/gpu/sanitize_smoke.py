@@ -143,8 +143,32 @@ def main() -> None:
             sampler.set_config(cfg)
             for _ in range(3):
                 sampler.sample(r(4, V).float())
+        if build.has_wgmma(torch.cuda.current_device()):
+            fp8_wgmma_decode_smoke()
     build.synchronize()
     print("sanitize smoke: all kernels ran")
+
+
+def fp8_wgmma_decode_smoke() -> None:
+    """fp8_wgmma_decode.cu's three epilogues (the fold and the SwiGLU maxima too) at both token tiles, with and without
+    K splits, on ragged K and a partial channel block (an sm_90 GPU)."""
+    from kernels_cu import fp8_wgmma_decode as dec
+    from kernels_cu.norm_fold import FoldOut
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=torch.float16)
+    e4m3 = lambda *s: (torch.randn(*s, generator=g, device=dev) * 4).to(torch.float8_e4m3fn)
+    with build.on_stream():
+        K, N, F = 272, 128, 40  # 2 tiles + 16 k; F = 40: a partial block of the SwiGLU's 80 rows
+        for M, splits in ((17, None), (17, 2), (40, 2)):
+            x8, a = e4m3(M, K), torch.rand(M, device=dev) * 1e-2 + 1e-3
+            w8, ws = e4m3(N, K), torch.rand(N, device=dev) * 1e-2 + 1e-3
+            dec.fp8_wgmma_decode(x8, a, w8, ws, splits=splits)
+            dec.fp8_wgmma_decode(x8, a, w8, ws, residual=r(M, N), fold_out=FoldOut.new(r(N), M, int8=True),
+                                 splits=splits)
+            wg, wgs = e4m3(2 * F, K), torch.rand(2 * F, device=dev) * 1e-2 + 1e-3
+            dec.fp8_wgmma_decode(x8, a, wg, wgs, swiglu=True, part=torch.empty(M, F // 8, device=dev), splits=splits)
 
 
 if __name__ == "__main__":
