@@ -102,7 +102,8 @@ def decode_bytes(engine, batch: int, context: int) -> tuple[int, int]:
     return engine.step_weight_bytes(batch), kv  # the lm_head as it runs (fp16 or int8), B embedding rows
 
 
-def _events_time(fn, repeat: int) -> list[float]:
+def events_time(fn, repeat: int) -> list[float]:
+    """Seconds of each of `repeat` calls of fn, by CUDA events on the current stream."""
     out = []
     for _ in range(repeat):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -138,8 +139,8 @@ def bench_engine(engine, batch: int, cfg: BenchConfig, bandwidth: float, seed: i
     for _ in range(3):
         prefill()
     with torch.cuda.stream(stream):
-        prefill_times = _events_time(prefill, cfg.repeat)
-        eager_times = _events_time(lambda: prefill(graph=False), cfg.repeat)  # a prompt of a new shape
+        prefill_times = events_time(prefill, cfg.repeat)
+        eager_times = events_time(lambda: prefill(graph=False), cfg.repeat)  # a prompt of a new shape
     prefill_s = statistics.median(prefill_times)
 
     # decode: the first step captures the graph; then time each replay separately

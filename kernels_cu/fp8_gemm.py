@@ -33,6 +33,7 @@ import torch
 
 from kernels_cu import build, fp8_wgmma, fp8_wgmma_decode, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
+from kernels_cu.fp8_contract import CODES, fp8_gemm_ref, fp8_swiglu_ref
 from kernels_cu.fp8_quantize import (FP8, FP8_MAX, MIN_AMAX, check_static_scale, fp8_quantize, fp8_quantize_fold,
                                      fp8_quantize_ref)
 from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_ROWS, GEMV_THREADS, cdiv, gemv_shared, sm_count, smem_per_sm,
@@ -41,10 +42,8 @@ from kernels_cu.int8_gemm import DeferredQuant
 from kernels_cu.norm_fold import FoldOut
 from kernels_cu.quantize import check_fold_inputs
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_ref
-from kernels_cu.swiglu_layout import swiglu_interleaved
 from model_zoo.errors import ConfigError
 
-CODES = (FP8, torch.uint8)  # e4m3 codes, as float8_e4m3fn or their bytes
 # fp8_gemv_mt*: fp8_wgmma.SIGNATURE's (y, x8, a_scale, a_stride, w8, w_scale, residual, M, N, K) with fold_w,
 # fold_xg, fold_sq, fold_mx and part before M
 GEMV_SIGNATURE = "PPPiPPPPPPPPiii"
@@ -381,20 +380,6 @@ def _run_wide(warps: int, suffix: str, y, x8, a_scale, a_stride, w8, w_scale, re
        N, x8.shape[1], shared=wide_ring(warps))
 
 
-def fp8_gemm_ref(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The contract in float64 (exact sums), the two scales, one rounding to fp16, then the fp16 residual add."""
-    a = a_scale.double().reshape(-1).expand(x8.shape[0])  # [M]
-    acc = _codes(x8).double() @ _codes(w8).double().t()  # [M, N]
-    y = ((acc * a[:, None]) * w_scale.double()[None, :]).to(torch.float16)  # [M, N]
-    return y if residual is None else y + residual
-
-
-def fp8_swiglu_ref(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """fp8_gemm_ref's products in the interleaved order, then torch's fp16 SiLU and multiply [M, F]."""
-    return swiglu_interleaved(fp8_gemm_ref(x8, a_scale, w8, w_scale))
-
-
 def fp8_linear_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, static_scale=None,
                    residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """fp8_linear's reference: fp8_quantize_ref, then fp8_gemm_ref or fp8_swiglu_ref."""
@@ -408,11 +393,6 @@ def fp8_linear_norm_ref(x: NormIn, w8: torch.Tensor, w_scale: torch.Tensor, stat
                         swiglu: bool = False) -> torch.Tensor:
     """fp8_linear_ref of rmsnorm_ref(h, w, eps) (the norm kernel's rounding)."""
     return fp8_linear_ref(rmsnorm_ref(x.h, x.w, x.eps), w8, w_scale, static_scale, swiglu=swiglu)
-
-
-def _codes(t: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes (float8_e4m3fn, their bytes as uint8, or their exact values as fp16) as float8_e4m3fn (or fp16)."""
-    return t.view(FP8) if t.dtype == torch.uint8 else t
 
 
 def _check(x8, a_scale, w8, w_scale, residual) -> tuple[int, int, int]:

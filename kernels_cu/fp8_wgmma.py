@@ -8,7 +8,7 @@ and tuning.fp8_prefill_library; else the wgmma kernel fp8_wgmma.cu, epilogues fu
 tiles by TMA into a ring of shared-memory stages, two consumer warpgroups run wgmma e4m3 (twice the fp16 rate) with
 two-level accumulation: each 128-k stage is summed by the tensor cores from zero in chunk rounds (their e4m3
 accumulator keeps only ~14 bits) and added into fp32 registers; with two chunk sets a round's adds run under the next
-round's wgmma. The references are fp8_gemm.fp8_gemm_ref / fp8_swiglu_ref.
+round's wgmma. The references are fp8_contract.fp8_gemm_ref / fp8_swiglu_ref.
 """
 from __future__ import annotations
 

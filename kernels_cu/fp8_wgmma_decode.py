@@ -2,7 +2,7 @@
 
     y[m, n] = fp16((acc * a_scale[m]) * w_scale[n])   (+ residual[m, n]),   acc = fp32 sum of x8[m, k] * w8[n, k]
 
-fp8_gemm.cu's GEMV contract (reference: fp8_wgmma_decode_ref, fp8_gemm_ref's), with its epilogues: plain, the
+fp8_gemm.cu's GEMV contract (fp8_contract.py; reference: fp8_wgmma_decode_ref), with its epilogues: plain, the
 residual add (optionally writing the next RMSNorm's inputs, FoldOut in int8's format) and the SwiGLU of an
 interleaved gate|up weight (optionally its maxima per 8 outputs, for the down_proj's fp8_quantize_fold). A block is 64
 channels (wgmma's M) x BT = 32 or 64 tokens (wgmma's N): one consumer warpgroup and a producer warp that copies each
@@ -28,11 +28,10 @@ import torch
 
 from kernels_cu import build, counters, norm_fold, tensor_map, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
+from kernels_cu.fp8_contract import CODES, fp8_gemm_ref, fp8_swiglu_ref
 from kernels_cu.gemm_shapes import cdiv, sm_count
 from kernels_cu.norm_fold import FoldOut
-from kernels_cu.swiglu_layout import swiglu_interleaved
 
-CODES = (torch.float8_e4m3fn, torch.uint8)  # e4m3 codes, as float8_e4m3fn or their bytes
 CHANNELS = 64  # a block's channels: wgmma's M (fp8_wgmma_decode.cu BN)
 BK = 128  # k codes a stage (one 128-byte swizzled row of each operand)
 THREADS = 160  # one consumer warpgroup and the producer warp
@@ -192,14 +191,10 @@ def fp8_wgmma_decode(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, 
 
 def fp8_wgmma_decode_ref(x8: torch.Tensor, a_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                          residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
-    """The contract in float64 (exact sums), the two scales, one rounding to fp16, then the fp16 residual add
-    (fp8_gemm.fp8_gemm_ref's); swiglu: torch's fp16 SiLU and multiply of the interleaved products [M, N / 2]."""
-    a = a_scale.double().reshape(-1).expand(x8.shape[0])  # [M]
-    acc = x8.view(torch.float8_e4m3fn).double() @ w8.view(torch.float8_e4m3fn).double().t()  # [M, N]
-    y = ((acc * a[:, None]) * w_scale.double()[None, :]).to(torch.float16)  # [M, N]
+    """The kernel's contract, fp8_contract's references: y [M, N] (+ residual), or with swiglu [M, N / 2]."""
     if swiglu:
-        return swiglu_interleaved(y)
-    return y if residual is None else y + residual
+        return fp8_swiglu_ref(x8, a_scale, w8, w_scale)
+    return fp8_gemm_ref(x8, a_scale, w8, w_scale, residual)
 
 
 def _check(x8, a_scale, w8, w_scale, residual, swiglu, fold_out, part) -> tuple[int, int, int]:

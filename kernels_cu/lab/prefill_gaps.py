@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels_cu import build
-from kernels_cu.bench import random_weights
+from kernels_cu.bench import events_time, random_weights
 from kernels_cu.engine import Engine, EngineConfig
 from kernels_cu.lab.timeline import short_name
 from model_zoo.config import LlamaConfig
@@ -116,22 +116,13 @@ def measure(model: str, scheme: str, tokens: int, repeat: int) -> tuple[float, f
     graph = next(iter(cache.prefill_graphs.values()))[0]
     with torch.cuda.stream(build.torch_stream()):
         t0 = time.time()
-        times = [t for _ in range(repeat) for t in (events_us(prefill), events_us(graph.replay))]  # alternated
+        times = [t * 1e6 for _ in range(repeat) for f in (prefill, graph.replay) for t in events_time(f, 1)]
         print(f"# {scheme} timed from {t0:.3f} to {time.time():.3f} (epoch s): us {[round(t) for t in times]}",
               flush=True)
     gaps = traced(prefill)
     del engine, cache, graph
     torch.cuda.empty_cache()
     return statistics.median(times[0::2]), statistics.median(times[1::2]), gaps
-
-
-def events_us(fn) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3
 
 
 def report(scheme: str, prefill_us: float, graph_us: float, g: Gaps, names: int) -> str:
