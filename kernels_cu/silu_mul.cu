@@ -38,10 +38,7 @@ extern "C" __global__ void __launch_bounds__(256)
          p += (long long)gridDim.x * blockDim.x) {
         const Half8 g = load_half8(y + 16 * p);
         const Half8 u = load_half8(y + 16 * p + 8);
-        Half8 v;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) half8_set(v, i, __hmul_rn(silu_h(half8_get(g, i)), half8_geth(u, i)));
-        store_half8(out + 8 * p, v);
+        store_half8(out + 8 * p, silu_mul8(g, u));
     }
 }
 
@@ -65,8 +62,7 @@ __device__ __forceinline__ void silu_mul_part(__half* __restrict__ y, float* __r
     if (in) {
         const Half8 g = load_half8(gate + 8 * c);
         const Half8 u = load_half8(gate + F + 8 * c);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) half8_set(v, i, __hmul_rn(silu_h(half8_get(g, i)), half8_geth(u, i)));
+        v = silu_mul8(g, u);
         amax = half8_absmax(v);
     }
     if (QMODE == QUANT_STATIC) {

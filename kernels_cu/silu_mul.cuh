@@ -8,6 +8,7 @@
 
 #include "common.cuh"
 #include "row_quant.cuh"
+#include "silu_fast.cuh"
 
 namespace fllama {
 
@@ -24,9 +25,7 @@ __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, uint8_t* 
     const float amax = row_values<NV>(v, n_vec, [&](int c) {
         const Half8 g = load_half8(INTERLEAVED ? gate + 16 * c : gate + 8 * c);
         const Half8 u = load_half8(INTERLEAVED ? gate + 16 * c + 8 : up + 8 * c);
-        Half8 s;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) half8_set(s, i, __hmul_rn(silu_h(half8_get(g, i)), half8_geth(u, i)));
+        const Half8 s = silu_mul8(g, u);
         if (QMODE == QUANT_NONE) store_half8(out + row * (size_t)F + 8 * c, s);
         return s;
     });

@@ -3,6 +3,7 @@ entry point bit for bit against swiglu_layout.swiglu_interleaved and silu_mul.""
 
 import pytest
 import torch
+from torch.nn.functional import silu as torch_silu
 
 from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, compare, poison, randn
 
@@ -89,6 +90,32 @@ def test_silu_mul_interleaved_extremes():
     gate_up = torch.stack([torch.cat([g, u]), torch.cat([g.flip(0), u])]).cuda()  # [2, 32] as [gate | up]
     y = gate_up[:, gate_up_order(32, gate_up.device)].contiguous()  # [2, 32] interleaved
     assert_equal(silu_mul_interleaved(y), swiglu_interleaved(y), "extremes")
+
+
+def every_fp16(rows: int) -> torch.Tensor:
+    """All 65,536 fp16 bit patterns (NaNs, infinities, zeros of both signs, subnormals) as [rows, 65536 / rows]."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).cuda().view(rows, -1)
+
+
+@pytest.mark.parametrize("unit_up", [True, False])
+def test_silu_on_every_fp16_input(unit_up):
+    """silu_fast.cuh (ex2 / rcp approximations, the bracket, silu_h where it straddles an fp16 boundary) against
+    torch's fp16 F.silu, which rounds the same fp32 formula once, on every gate value: through the fp16 row
+    (silu_mul) and the interleaved kernel; up = 1 gives silu(g) itself, random up the fp16 product."""
+    gate = every_fp16(64)  # [64, 1024]
+    up = torch.ones_like(gate) if unit_up else randn(*gate.shape, scale=3.0, seed=11)
+    want = torch_silu(gate) * up  # [64, 1024]
+    out = silu_mul(torch.cat([gate, up], dim=1))
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan), "NaN positions differ"
+    for got, what in ((out, "silu_mul"), (silu_mul_interleaved(swiglu_layout_of(gate, up)), "interleaved")):
+        bad = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
+        assert int(bad.sum()) == 0, f"{what}: {int(bad.sum())} of 65536 differ, e.g. gate {gate[bad][:4].tolist()}"
+
+
+def swiglu_layout_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate_up = torch.cat([gate, up], dim=1)  # [M, 2F]
+    return gate_up[:, gate_up_order(gate_up.shape[1], gate_up.device)].contiguous()  # [M, 2F] interleaved
 
 
 def test_silu_mul_interleaved_empty_and_bad_arguments():
