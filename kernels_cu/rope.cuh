@@ -1,4 +1,4 @@
-// RoPE arithmetic shared by rope_kv.cu (one block per token) and the fused decode attention
+// RoPE arithmetic shared by rope_kv.cu and the fused decode attention
 // (attention_decode.cu, which rotates its own query heads and writes the new token's K/V).
 //
 // Numerics are transformers' (non-interleaved, rotate_half): the fp32 cos/sin table row of the position is
@@ -40,6 +40,24 @@ __device__ __forceinline__ void rotate8(Half8& lo, Half8& hi, const float* cs_ro
         const __half x1 = half8_geth(lo, i), x2 = half8_geth(hi, i);
         half8_set(lo, i, rope_lo(x1, x2, c[i], s[i]));
         half8_set(hi, i, rope_hi(x1, x2, c[i], s[i]));
+    }
+}
+
+// The cos (or sin) slice [p, p + 8) of a table row as fp16 pairs: load_cos_sin8's values, two a conversion.
+__device__ __forceinline__ void load_cos_sin_h2(const float* p, __half2 (&out)[4]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = __floats2half2_rn(a.x, a.y); out[1] = __floats2half2_rn(a.z, a.w);
+    out[2] = __floats2half2_rn(b.x, b.y); out[3] = __floats2half2_rn(b.z, b.w);
+}
+
+// rotate8 on pairs, its slices loaded: the _rn pair ops round each half as rope_lo / rope_hi do (the same bits).
+__device__ __forceinline__ void rotate8_h2(Half8& lo, Half8& hi, const __half2 (&c)[4], const __half2 (&s)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 x1 = lo.h[i], x2 = hi.h[i];
+        lo.h[i] = __hsub2_rn(__hmul2_rn(x1, c[i]), __hmul2_rn(x2, s[i]));
+        hi.h[i] = __hadd2_rn(__hmul2_rn(x2, c[i]), __hmul2_rn(x1, s[i]));
     }
 }
 

@@ -145,6 +145,7 @@ def main() -> None:
                 sampler.sample(r(4, V).float())
         if build.has_wgmma(torch.cuda.current_device()):
             fp8_wgmma_decode_smoke()
+    rope_kv_smoke()
     build.synchronize()
     print("sanitize smoke: all kernels ran")
 
@@ -169,6 +170,31 @@ def fp8_wgmma_decode_smoke() -> None:
                                  splits=splits)
             wg, wgs = e4m3(2 * F, K), torch.rand(2 * F, device=dev) * 1e-2 + 1e-3
             dec.fp8_wgmma_decode(x8, a, wg, wgs, swiglu=True, part=torch.empty(M, F // 8, device=dev), splits=splits)
+
+
+def rope_kv_smoke() -> None:
+    """rope_kv's launches of several heads a thread (rope_kv.rope_launch): a grid large enough for 4 heads a thread
+    with a partial last block, a head count n does not divide, positions past the table and the cache, each cache kind."""
+    from kernels_cu.fp8_quantize import has_fp8
+    from kernels_cu.rope_kv import rope_kv, rope_table
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    nh, nkv, d, B, L = 9, 3, 64, 8, 300  # 15 heads: the last head group of 4 is partial
+    T = 2203  # > 132 SMs' worth of 256-thread blocks at 4 heads a thread; not a multiple of a block's tokens
+    kinds = [torch.float16, torch.int8] + ([torch.float8_e4m3fn] if has_fp8(torch.cuda.current_device()) else [])
+    with build.on_stream():
+        qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g, device=dev, dtype=torch.float16)
+        t = torch.arange(T, device=dev, dtype=torch.int32)
+        pos, row = t % (L + 10), t // (L + 10)  # positions L..L+9 and row 7's tail: no cache write
+        cs = rope_table(d, 10000.0, L + 5, dev)  # positions past the table: q = 0
+        for kv_dtype in kinds:
+            kv8 = kv_dtype != torch.float16
+            kc = torch.zeros(B, nkv, L, d, device=dev, dtype=kv_dtype)
+            vc = torch.zeros_like(kc)
+            ks = torch.zeros(B, nkv, L, device=dev) if kv8 else None
+            vs = torch.zeros_like(ks) if kv8 else None
+            rope_kv(qkv, cs, pos, row, kc, vc, nh, nkv, k_scale=ks, v_scale=vs)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,69 @@ def test_decode_step_of_64_rows():
     compare(k_cache[row.long(), :, pos.long()], k16, rtol=1e-3, atol=4e-3, what="k")
     assert_equal(v_cache[row.long(), :, pos.long()], v16, "v")
     assert int((~k_cache.isnan()).sum()) == rows * n_kv * d  # one slot per row, nothing else
+
+
+@pytest.fixture
+def forced_heads(monkeypatch):
+    """Run rope_kv at a given heads-per-thread whatever T is: one SM as far as the launcher knows, so it never lowers
+    the tuning's value to spread a small grid."""
+    import kernels_cu.rope_kv as module
+    from kernels_cu import tuning
+
+    monkeypatch.setattr(module, "sm_count", lambda index=None: 1)
+    return lambda n: tuning.override(rope_heads_per_thread=n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_heads,n_kv,d", [(6, 2, 64), (32, 8, 128), (2, 1, 16), (4, 2, 80)])
+@pytest.mark.parametrize("T", [1, 5, 257])
+def test_heads_per_thread_bitwise(T, n_heads, n_kv, d, n, forced_heads):
+    """Each thread's n heads (10 heads: the last head block part empty at n = 3, 4; T = 257: tokens straddle blocks)
+    give transformers' bits in q and the fp16 cache, and write no other slot; int8 codes and scales as write_kv_ref."""
+    Bq, Lq = 3, 100
+    qkv = randn(T, (n_heads + 2 * n_kv) * d, scale=2.0, seed=T + n)
+    table = rope_table(d, 10000.0, Lq, device="cuda")
+    slots = torch.randperm(Bq * Lq, generator=torch.Generator().manual_seed(n))[:T]  # distinct (row, position)
+    row, pos = (slots // Lq).to(torch.int32).cuda(), (slots % Lq).to(torch.int32).cuda()
+    q16, k16, v16 = rope_kv_ref(qkv, table, pos, n_heads, n_kv)
+    kc, vc = (torch.full((Bq, n_kv, Lq, d), float("nan"), dtype=torch.float16, device="cuda") for _ in range(2))
+    with forced_heads(n):
+        q_out = rope_kv(qkv, table, pos, row, kc, vc, n_heads, n_kv)
+    assert_equal(q_out, q16, "q")
+    want_k, want_v = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    write_kv_ref(want_k, want_v, k16, v16, pos, row)
+    assert_equal(kc, want_k, "k cache (whole)")
+    assert_equal(vc, want_v, "v cache (whole)")
+    if (d // 16) & (d // 16 - 1):
+        return  # the 8-bit caches need a power-of-two d / 16
+    k8, v8 = (torch.full((Bq, n_kv, Lq, d), -128, dtype=torch.int8, device="cuda") for _ in range(2))
+    ks, vs = (torch.full((Bq, n_kv, Lq), float("nan"), device="cuda") for _ in range(2))
+    with forced_heads(n):
+        assert_equal(rope_kv(qkv, table, pos, row, k8, v8, n_heads, n_kv, k_scale=ks, v_scale=vs), q16, "q (int8)")
+    want_k, want_v = torch.full_like(k8, -128), torch.full_like(v8, -128)
+    want_ks, want_vs = torch.full_like(ks, float("nan")), torch.full_like(vs, float("nan"))
+    write_kv_ref(want_k, want_v, k16, v16, pos, row, want_ks, want_vs)
+    for got, want, what in ((k8, want_k, "k int8"), (v8, want_v, "v int8"), (ks, want_ks, "k scales"),
+                            (vs, want_vs, "v scales")):
+        assert_equal(got, want, what)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_guards_at_every_heads_per_thread(n, forced_heads):
+    """Outside the table: q = 0, no write; outside the cache: rotated q, no write; with 4 heads a thread too."""
+    n_heads, n_kv, d = 4, 2, 64
+    qkv = randn(5, (n_heads + 2 * n_kv) * d, seed=4)
+    table = rope_table(d, 10000.0, 80, device="cuda")  # positions 0..79; the cache holds 0..63
+    pos = torch.tensor([3, -1, 70, 90, 5], dtype=torch.int32, device="cuda")
+    row = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device="cuda")  # row 4: outside the cache
+    k_cache, v_cache = caches(n_kv, d, torch.float16)
+    with forced_heads(n):
+        q_out = rope_kv(qkv, table, pos, row, k_cache, v_cache, n_heads, n_kv)
+    written = ~k_cache.isnan() | ~v_cache.isnan()
+    assert bool(written[0, :, 3].all())
+    written[0, :, 3] = False
+    assert int(written.sum()) == 0, "an out-of-range token wrote into the cache"
+    assert int(q_out[1].abs().sum()) == 0 and int(q_out[3].abs().sum()) == 0
+    ok = torch.tensor([0, 2, 4], device="cuda")
+    q16, _, _ = rope_kv_ref(qkv[ok], table, pos[ok], n_heads, n_kv)
+    assert_equal(q_out[ok], q16, "rotated q of the tokens inside the table")
