@@ -15,7 +15,6 @@ def main() -> None:
     from kernels_cu.awq_gemm import awq_dequantize, awq_gemm
     from kernels_cu.awq_gemv import awq_batch_gemm, awq_linear, awq_packed_dequantize, pack_for_gemv
     from kernels_cu.embedding import embedding, embedding_fold
-    from kernels_cu.fp8_quantize import has_fp8
     from kernels_cu.norm_fold import FoldOut
     from kernels_cu.fp16_gemv import fp16_linear, fp16_swiglu, w8a16_linear
     from kernels_cu import awq_wgmma, awq_wgmma_decode
@@ -114,13 +113,7 @@ def main() -> None:
                 awq_wgmma_decode.launch(r(m, 640), pack_for_gemv(*quantize_awq(r(320, 640).float(), 128)),
                                         r(m, 320), None, splits=sp)
         B, L = 3, 300
-        kinds = [torch.float16, torch.int8] + ([torch.float8_e4m3fn] if has_fp8(torch.cuda.current_device()) else [])
-        for kv_dtype in kinds:
-            kv8 = kv_dtype != torch.float16
-            kc = torch.zeros(B, nkv, L, d, device=dev, dtype=kv_dtype)
-            vc = torch.zeros_like(kc)
-            ks = torch.zeros(B, nkv, L, device=dev) if kv8 else None
-            vs = torch.zeros_like(ks) if kv8 else None
+        for kc, vc, ks, vs in kv_caches(B, nkv, L, d):
             cs = rope_table(d, 10000.0, L, dev)
             T = 20
             qkv = r(B * T, (nh + 2 * nkv) * d)
@@ -135,7 +128,7 @@ def main() -> None:
             qkv_new = r(B, (nh + 2 * nkv) * d)  # RoPE mode: position lengths - 1 written, then attended
             attention_decode_rope(qkv_new, cs, kc, vc, lengths, nh, ks, vs)
             attention_decode_rope_quant(qkv_new, cs, kc, vc, lengths, nh, None, ks, vs)
-            if not kv8:
+            if ks is None:  # fp16 cache
                 attention_prefill(q.view(B, T, nh, d)[0], kc, vc, 0, 0)
         sampler = GpuSampler(4, V, eos_ids=[2], device=dev)
         for cfg in (SamplingConfig(temperature=0), SamplingConfig(temperature=0.9, top_k=40, top_p=0.9,
@@ -175,26 +168,31 @@ def fp8_wgmma_decode_smoke() -> None:
 def rope_kv_smoke() -> None:
     """rope_kv's launches of several heads a thread (rope_kv.rope_launch): a grid large enough for 4 heads a thread
     with a partial last block, a head count n does not divide, positions past the table and the cache, each cache kind."""
-    from kernels_cu.fp8_quantize import has_fp8
     from kernels_cu.rope_kv import rope_kv, rope_table
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
     nh, nkv, d, B, L = 9, 3, 64, 8, 300  # 15 heads: the last head group of 4 is partial
     T = 2203  # > 132 SMs' worth of 256-thread blocks at 4 heads a thread; not a multiple of a block's tokens
-    kinds = [torch.float16, torch.int8] + ([torch.float8_e4m3fn] if has_fp8(torch.cuda.current_device()) else [])
     with build.on_stream():
         qkv = torch.randn(T, (nh + 2 * nkv) * d, generator=g, device=dev, dtype=torch.float16)
         t = torch.arange(T, device=dev, dtype=torch.int32)
         pos, row = t % (L + 10), t // (L + 10)  # positions L..L+9 and row 7's tail: no cache write
         cs = rope_table(d, 10000.0, L + 5, dev)  # positions past the table: q = 0
-        for kv_dtype in kinds:
-            kv8 = kv_dtype != torch.float16
-            kc = torch.zeros(B, nkv, L, d, device=dev, dtype=kv_dtype)
-            vc = torch.zeros_like(kc)
-            ks = torch.zeros(B, nkv, L, device=dev) if kv8 else None
-            vs = torch.zeros_like(ks) if kv8 else None
+        for kc, vc, ks, vs in kv_caches(B, nkv, L, d):
             rope_kv(qkv, cs, pos, row, kc, vc, nh, nkv, k_scale=ks, v_scale=vs)
+
+
+def kv_caches(B: int, nkv: int, L: int, d: int):
+    """(k, v, k scales, v scales) of zeros for each cache kind this GPU has: fp16 (no scales), int8, e4m3."""
+    from kernels_cu.fp8_quantize import has_fp8
+
+    dev = torch.device("cuda")
+    kinds = [torch.float16, torch.int8] + ([torch.float8_e4m3fn] if has_fp8(torch.cuda.current_device()) else [])
+    for kv_dtype in kinds:
+        kc = torch.zeros(B, nkv, L, d, device=dev, dtype=kv_dtype)
+        scales = torch.zeros(B, nkv, L, device=dev) if kv_dtype != torch.float16 else None
+        yield kc, torch.zeros_like(kc), scales, None if scales is None else torch.zeros_like(scales)
 
 
 if __name__ == "__main__":
