@@ -73,7 +73,7 @@ def test_silu_mul_quant_picks_the_split_for_few_rows(monkeypatch):
 def test_silu_mul_interleaved_is_bitwise(M, F):
     """The same fp32 silu, fp16 rounding and fp16 multiply as torch's ops and as silu_mul on [gate | up]."""
     gate_up = randn(M, 2 * F, scale=3.0, seed=M * F + 2)  # [M, 2F] as [gate | up]
-    y = gate_up[:, gate_up_order(2 * F, gate_up.device)].contiguous()  # [M, 2F] interleaved
+    y = interleaved(gate_up)  # [M, 2F]
     out = torch.empty(M, F, dtype=torch.float16, device="cuda")
     poison(out)
     assert silu_mul_interleaved(y, out=out) is out
@@ -88,7 +88,7 @@ def test_silu_mul_interleaved_extremes():
                       65504.0, -65504.0], dtype=torch.float16)  # [16] gate values
     u = torch.tensor([1.0, -3.0, 65504.0, -65504.0, 2.0, 1e-3, 7.0, -7.0] * 2, dtype=torch.float16)  # [16]
     gate_up = torch.stack([torch.cat([g, u]), torch.cat([g.flip(0), u])]).cuda()  # [2, 32] as [gate | up]
-    y = gate_up[:, gate_up_order(32, gate_up.device)].contiguous()  # [2, 32] interleaved
+    y = interleaved(gate_up)  # [2, 32]
     assert_equal(silu_mul_interleaved(y), swiglu_interleaved(y), "extremes")
 
 
@@ -105,17 +105,18 @@ def test_silu_on_every_fp16_input(unit_up):
     gate = every_fp16(64)  # [64, 1024]
     up = torch.ones_like(gate) if unit_up else randn(*gate.shape, scale=3.0, seed=11)
     want = torch_silu(gate) * up  # [64, 1024]
-    out = silu_mul(torch.cat([gate, up], dim=1))
+    gate_up = torch.cat([gate, up], dim=1)  # [64, 2048]
+    out = silu_mul(gate_up)
     nan = want.isnan()
     assert torch.equal(out.isnan(), nan), "NaN positions differ"
-    for got, what in ((out, "silu_mul"), (silu_mul_interleaved(swiglu_layout_of(gate, up)), "interleaved")):
+    for got, what in ((out, "silu_mul"), (silu_mul_interleaved(interleaved(gate_up)), "interleaved")):
         bad = (got.view(torch.int16) != want.view(torch.int16)) & ~nan
         assert int(bad.sum()) == 0, f"{what}: {int(bad.sum())} of 65536 differ, e.g. gate {gate[bad][:4].tolist()}"
 
 
-def swiglu_layout_of(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    gate_up = torch.cat([gate, up], dim=1)  # [M, 2F]
-    return gate_up[:, gate_up_order(gate_up.shape[1], gate_up.device)].contiguous()  # [M, 2F] interleaved
+def interleaved(gate_up: torch.Tensor) -> torch.Tensor:
+    """[gate | up] columns [M, 2F] -> the interleaved order the SwiGLU kernels take (a copy)."""
+    return gate_up[:, gate_up_order(gate_up.shape[1], gate_up.device)].contiguous()
 
 
 def test_silu_mul_interleaved_empty_and_bad_arguments():
