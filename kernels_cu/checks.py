@@ -46,6 +46,17 @@ def row_launch(n_vec: int) -> tuple[int, int]:
     raise ConfigError(f"rows of {n_vec * 8} fp16 values exceed the row kernels' limit of {ROW_THREADS_NV8 * 64}")
 
 
+def silu_row_launch(n_vec: int) -> tuple[int, int]:
+    """(NV, threads) for a SwiGLU row kernel (silu_mul.cuh): row_launch's up to 4 vectors a thread, then 4 vectors
+    on up to MAX_THREADS threads (its loads all in flight at once: 8 vectors a thread spill or hold too many
+    registers for enough resident threads)."""
+    if n_vec <= ROW_THREADS * 4:
+        return row_launch(n_vec)
+    if n_vec <= MAX_THREADS * 4:
+        return 4, _round_warp(-(-n_vec // 4))
+    raise ConfigError(f"rows of {n_vec * 8} fp16 values exceed the SwiGLU kernels' limit of {MAX_THREADS * 32}")
+
+
 def _round_warp(n: int) -> int:
     return max(32, -(-n // 32) * 32)
 

@@ -84,7 +84,7 @@ FLLAMA_FP8_QUANTIZE_FOLD(fp8_quantize_fold_h, true)
         rmsnorm_row<NV, RESIDUAL, QMODE, Fp8Rule>(out, q, a_scale, static_scale, residual, x, w, H, eps);       \
     }
 #define FLLAMA_FP8_SILU_ENTRY(NAME, NV, QMODE)                                                                  \
-    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                          \
+    extern "C" __global__ void FLLAMA_SILU_BOUNDS(NV)                                                         \
         fp8_silu_mul_##NAME##_nv##NV(uint8_t* q, float* a_scale, const float* static_scale,                     \
                                      const __half* gate_up, int F) {                                             \
         pdl_enter();                                                                                             \
@@ -94,8 +94,10 @@ FLLAMA_FP8_QUANTIZE_FOLD(fp8_quantize_fold_h, true)
     FLLAMA_FP8_RMSNORM_ENTRY(dyn, NV, false, QUANT_DYNAMIC)           \
     FLLAMA_FP8_RMSNORM_ENTRY(static, NV, false, QUANT_STATIC)         \
     FLLAMA_FP8_RMSNORM_ENTRY(add_dyn, NV, true, QUANT_DYNAMIC)        \
-    FLLAMA_FP8_RMSNORM_ENTRY(add_static, NV, true, QUANT_STATIC)      \
+    FLLAMA_FP8_RMSNORM_ENTRY(add_static, NV, true, QUANT_STATIC)
+#define FLLAMA_FP8_SILU_VARIANTS(NV)                                  \
     FLLAMA_FP8_SILU_ENTRY(dyn, NV, QUANT_DYNAMIC)                     \
     FLLAMA_FP8_SILU_ENTRY(static, NV, QUANT_STATIC)
 
 FLLAMA_ROW_WIDTHS(FLLAMA_FP8_ROW_VARIANTS)
+FLLAMA_SILU_WIDTHS(FLLAMA_FP8_SILU_VARIANTS)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels_cu import build
-from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch, silu_row_launch
 from kernels_cu.gemm_shapes import cdiv
 from kernels_cu.quantize import check_fold_inputs
 from kernels_cu.rmsnorm import SIGNATURE as NORM_SIGNATURE
@@ -152,7 +152,7 @@ def fp8_silu_mul(y: torch.Tensor, static_scale: torch.Tensor | None = None) -> t
         x8 = torch.empty((T, F_), dtype=FP8, device=y.device)  # [T, F]
         a_scale = torch.empty((T,), dtype=torch.float32, device=y.device)  # [T]
         if T:
-            nv, threads = row_launch(F_ // 8)
+            nv, threads = silu_row_launch(F_ // 8)
             mode = "dyn" if static_scale is None else "static"
             fn = build.get_function("fp8_quantize.cu", f"fp8_silu_mul_{mode}_nv{nv}", SILU_SIGNATURE)
             fn((T,), (threads,), x8, a_scale, static_scale, y, F_)

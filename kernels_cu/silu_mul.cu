@@ -15,7 +15,7 @@
 using namespace fllama;
 
 #define FLLAMA_SILU_ENTRY(NAME, NV, QMODE)                                                                  \
-    extern "C" __global__ void FLLAMA_ROW_BOUNDS(NV)                                                     \
+    extern "C" __global__ void FLLAMA_SILU_BOUNDS(NV)                                                    \
         silu_mul_##NAME##_nv##NV(__half* out, int8_t* q, float* a_scale, const float* static_amax,          \
                                  const __half* gate_up, int F) {                                            \
         pdl_enter();                                                                                        \
@@ -27,7 +27,7 @@ using namespace fllama;
     FLLAMA_SILU_ENTRY(dyn, NV, QUANT_DYNAMIC)       \
     FLLAMA_SILU_ENTRY(static, NV, QUANT_STATIC)
 
-FLLAMA_ROW_WIDTHS(FLLAMA_SILU_VARIANTS)
+FLLAMA_SILU_WIDTHS(FLLAMA_SILU_VARIANTS)
 
 // y's panel p (columns 16p..16p+15 of the flattened [M, 2F]) gives out's 8 values 8p..8p+7 of the flattened [M, F]:
 // rows need no index arithmetic. Grid-stride, though the launcher starts a thread per panel.

@@ -12,6 +12,15 @@
 
 namespace fllama {
 
+// The SwiGLU rows' widths and register budget (silu_row_launch in checks.py): NV 1 or 2 up to 256 threads, NV 4
+// up to 1,024. 56 registers hold a thread's 8 loads in flight without spilling and keep three blocks of LLaMA-2-7B's
+// 352-thread rows resident (58, the compiler's choice without a cap, allocates as 64 and leaves two: 15% slower).
+#define FLLAMA_SILU_BOUNDS(NV) FLLAMA_SILU_BOUNDS_##NV
+#define FLLAMA_SILU_BOUNDS_1 __launch_bounds__(256)
+#define FLLAMA_SILU_BOUNDS_2 __launch_bounds__(256)
+#define FLLAMA_SILU_BOUNDS_4 __maxnreg__(56)
+#define FLLAMA_SILU_WIDTHS(M) M(1) M(2) M(4)
+
 template <int NV, int QMODE, typename Rule = Int8Rule, bool INTERLEAVED = false>
 __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, uint8_t* __restrict__ q,
                                              float* __restrict__ a_scale, const float* __restrict__ static_amax,
@@ -21,14 +30,26 @@ __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, uint8_t* 
     const size_t row = blockIdx.x;
     const __half* gate = gate_up + row * (size_t)(2 * F);
     const __half* up = gate + F;
+    // every gate and up load of the thread issued before the first SiLU (volatile asm keeps that order): the
+    // row's bytes in flight at once, where load-compute pairs left the SM's memory pipe half idle
+    uint4 gr[NV], ur[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        gr[j] = ld_cached(INTERLEAVED ? gate + 16 * c : gate + 8 * c, c < n_vec);
+        ur[j] = ld_cached(INTERLEAVED ? gate + 16 * c + 8 : up + 8 * c, c < n_vec);
+    }
     Half8 v[NV];
-    const float amax = row_values<NV>(v, n_vec, [&](int c) {
-        const Half8 g = load_half8(INTERLEAVED ? gate + 16 * c : gate + 8 * c);
-        const Half8 u = load_half8(INTERLEAVED ? gate + 16 * c + 8 : up + 8 * c);
-        const Half8 s = silu_mul8(g, u);
-        if (QMODE == QUANT_NONE) store_half8(out + row * (size_t)F + 8 * c, s);
-        return s;
-    });
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int c = threadIdx.x + j * blockDim.x;
+        if (c < n_vec) {
+            v[j] = silu_mul8(*reinterpret_cast<const Half8*>(&gr[j]), *reinterpret_cast<const Half8*>(&ur[j]));
+            if (QMODE == QUANT_NONE) store_half8(out + row * (size_t)F + 8 * c, v[j]);
+            amax = fmaxf(amax, half8_absmax(v[j]));
+        }
+    }
     if (QMODE == QUANT_NONE) return;
     row_quantize_store<Rule, NV, QMODE>(q + row * (size_t)F, v, n_vec, amax, static_amax, a_scale, row, scratch);
 }

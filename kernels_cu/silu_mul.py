@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_cu import build, tuning
-from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, row_launch
+from kernels_cu.checks import check_multiple, check_static_amax, check_tensor, out_or_new, silu_row_launch
 from kernels_cu.gemm_shapes import cdiv
 from kernels_cu.quantize import PARTS_VALUES, quantize_fold, quantize_ref
 
@@ -46,7 +46,7 @@ def _launch(mode: str, T: int, F_: int, out=None, q=None, a_scale=None, static_a
     if T == 0:
         return
     check_static_amax(static_amax)
-    nv, threads = row_launch(F_ // 8)
+    nv, threads = silu_row_launch(F_ // 8)
     fn = build.get_function("silu_mul.cu", f"silu_mul_{mode}_nv{nv}", SIGNATURE)
     fn((T,), (threads,), out, q, a_scale, static_amax, gate_up, F_)
 

@@ -16,7 +16,7 @@ import torch
 
 import kernels_cu
 from kernels_cu import build
-from kernels_cu.checks import check_tensor, row_launch
+from kernels_cu.checks import check_tensor, row_launch, silu_row_launch
 from kernels_cu.embedding import embedding_ref
 from kernels_cu.quantize import quantize_ref
 from kernels_cu.rmsnorm import rmsnorm, rmsnorm_ref
@@ -37,7 +37,7 @@ ENTRY_POINTS = {
     "rmsnorm.cu": [f"rmsnorm_{v}_nv{n}" for v in ("plain", "dyn", "static", "add", "add_dyn", "add_static")
                    for n in (1, 2, 4, 8)],
     "quantize.cu": [f"quantize_{v}_nv{n}" for v in ("dyn", "static") for n in (1, 2, 4, 8)],
-    "silu_mul.cu": [f"silu_mul_{v}_nv{n}" for v in ("plain", "dyn", "static") for n in (1, 2, 4, 8)]
+    "silu_mul.cu": [f"silu_mul_{v}_nv{n}" for v in ("plain", "dyn", "static") for n in (1, 2, 4)]
                    + ["silu_mul_interleaved"],
     "awq_gemv.cu": [f"awq_gemv_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4) for e in ("plain", "res", "silu")]
                    + [f"awq_gemv_mt1_g1_{e}_w{w}" for e in ("plain", "res", "silu") for w in (8, 2, 1)],
@@ -113,6 +113,16 @@ def test_row_launch_shapes(n_vec, want):
 def test_row_launch_refuses_rows_beyond_the_limit():
     with pytest.raises(ConfigError):
         row_launch(4097)
+
+
+@pytest.mark.parametrize("n_vec,want", [(192, (1, 192)), (512, (2, 256)), (1024, (4, 256)), (1376, (4, 352)),
+                                        (1792, (4, 448)), (3584, (4, 896)), (4096, (4, 1024))])
+def test_silu_row_launch_shapes(n_vec, want):
+    """The SwiGLU rows stop at 4 vectors a thread (silu_mul.cuh's entries: NV 1, 2, 4) and take up to 1,024 threads."""
+    nv, threads = silu_row_launch(n_vec)
+    assert (nv, threads) == want and nv * threads >= n_vec and threads % 32 == 0
+    with pytest.raises(ConfigError):
+        silu_row_launch(4097)
 
 
 def fake_kernels(tmp_path: Path) -> Path:
