@@ -21,29 +21,7 @@ __device__ __forceinline__ __half rope_hi(__half x1, __half x2, __half c, __half
     return __hadd_rn(__hmul_rn(x2, c), __hmul_rn(x1, s));
 }
 
-__device__ __forceinline__ void load_cos_sin8(const float* p, __half (&out)[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    out[0] = __float2half_rn(a.x); out[1] = __float2half_rn(a.y);
-    out[2] = __float2half_rn(a.z); out[3] = __float2half_rn(a.w);
-    out[4] = __float2half_rn(b.x); out[5] = __float2half_rn(b.y);
-    out[6] = __float2half_rn(b.z); out[7] = __float2half_rn(b.w);
-}
-
-// (lo, hi) = dims [8g, 8g + 8) and [d/2 + 8g, d/2 + 8g + 8) of one head, rotated in place.
-__device__ __forceinline__ void rotate8(Half8& lo, Half8& hi, const float* cs_row, int g, int half_d) {
-    __half c[8], s[8];
-    load_cos_sin8(cs_row + 8 * g, c);
-    load_cos_sin8(cs_row + half_d + 8 * g, s);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const __half x1 = half8_geth(lo, i), x2 = half8_geth(hi, i);
-        half8_set(lo, i, rope_lo(x1, x2, c[i], s[i]));
-        half8_set(hi, i, rope_hi(x1, x2, c[i], s[i]));
-    }
-}
-
-// The cos (or sin) slice [p, p + 8) of a table row as fp16 pairs: load_cos_sin8's values, two a conversion.
+// The cos (or sin) slice [p, p + 8) of a table row as fp16 pairs, each value rounded once.
 __device__ __forceinline__ void load_cos_sin_h2(const float* p, __half2 (&out)[4]) {
     const float4 a = *reinterpret_cast<const float4*>(p);
     const float4 b = *reinterpret_cast<const float4*>(p + 4);
@@ -51,7 +29,8 @@ __device__ __forceinline__ void load_cos_sin_h2(const float* p, __half2 (&out)[4
     out[2] = __floats2half2_rn(b.x, b.y); out[3] = __floats2half2_rn(b.z, b.w);
 }
 
-// rotate8 on pairs, its slices loaded: the _rn pair ops round each half as rope_lo / rope_hi do (the same bits).
+// (lo, hi) = dims [8g, 8g + 8) and [d/2 + 8g, d/2 + 8g + 8) of one head rotated in place, their cos / sin
+// slices given: the _rn pair ops round each half as rope_lo / rope_hi do (the same bits).
 __device__ __forceinline__ void rotate8_h2(Half8& lo, Half8& hi, const __half2 (&c)[4], const __half2 (&s)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -59,6 +38,14 @@ __device__ __forceinline__ void rotate8_h2(Half8& lo, Half8& hi, const __half2 (
         lo.h[i] = __hsub2_rn(__hmul2_rn(x1, c[i]), __hmul2_rn(x2, s[i]));
         hi.h[i] = __hadd2_rn(__hmul2_rn(x2, c[i]), __hmul2_rn(x1, s[i]));
     }
+}
+
+// rotate8_h2 with chunk g's slices loaded from the table row cs_row (cos at [0, d/2), sin at [d/2, d)).
+__device__ __forceinline__ void rotate8(Half8& lo, Half8& hi, const float* cs_row, int g, int half_d) {
+    __half2 c[4], s[4];
+    load_cos_sin_h2(cs_row + 8 * g, c);
+    load_cos_sin_h2(cs_row + half_d + 8 * g, s);
+    rotate8_h2(lo, hi, c, s);
 }
 
 // Two table values (cos or sin of dims i, i + 1) rounded to fp16 as the rotation uses them.

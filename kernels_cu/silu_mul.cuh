@@ -47,7 +47,7 @@ __device__ __forceinline__ void silu_mul_row(__half* __restrict__ out, uint8_t* 
         if (c < n_vec) {
             v[j] = silu_mul8(*reinterpret_cast<const Half8*>(&gr[j]), *reinterpret_cast<const Half8*>(&ur[j]));
             if (QMODE == QUANT_NONE) store_half8(out + row * (size_t)F + 8 * c, v[j]);
-            amax = fmaxf(amax, half8_absmax(v[j]));
+            amax = fmaxf(amax, half8_absmax_h2(v[j]));
         }
     }
     if (QMODE == QUANT_NONE) return;
