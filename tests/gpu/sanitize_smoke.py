@@ -183,6 +183,26 @@ def rope_kv_smoke() -> None:
             rope_kv(qkv, cs, pos, row, kc, vc, nh, nkv, k_scale=ks, v_scale=vs)
 
 
+def silu_rows_smoke() -> None:
+    """The SwiGLU rows at each width (silu_row_launch: 1, 2 and 4 vectors a thread, up to 1,024 threads), rows whose
+    last threads' vectors fall past the row (the loads-first guards), int8 and fp8 codes, dynamic and static."""
+    from kernels_cu.fp8_quantize import fp8_silu_mul, has_fp8
+    from kernels_cu.silu_mul import silu_mul, silu_mul_quant
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    fp8 = has_fp8(torch.cuda.current_device())
+    with build.on_stream():
+        for F in (1032, 2056, 11008, 28680):  # 1 vector a thread, 2, 4 on 352 threads, 4 on 928 (some past the row)
+            y = torch.randn(3, 2 * F, generator=g, device=dev, dtype=torch.float16)
+            silu_mul(y)
+            silu_mul_quant(y)
+            silu_mul_quant(y, torch.tensor([3.0], device=dev))
+            if fp8:
+                fp8_silu_mul(y)
+                fp8_silu_mul(y, torch.tensor([0.01], device=dev))
+
+
 def kv_caches(B: int, nkv: int, L: int, d: int):
     """(k, v, k scales, v scales) of zeros for each cache kind this GPU has: fp16 (no scales), int8, e4m3."""
     from kernels_cu.fp8_quantize import has_fp8
