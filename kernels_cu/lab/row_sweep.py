@@ -1,7 +1,8 @@
-"""Lab: the fp8 prefill's row kernels (fp8_silu_mul, fp8_rmsnorm with the residual, fp8_quantize) against variants of
-their width (vectors a thread, threads a row) and register budget (lab/row_sweep.cu), LLaMA-2-7B's 2,048-token
-shapes. Each variant's codes and scales are compared bit for bit with the product kernel's; times are CUDA events
-over back-to-back launches (median of 15 batches of 20), inputs rotated past the L2.
+"""Lab: the fp8 prefill's row kernels (fp8_silu_mul, fp8_rmsnorm with the residual, fp8_quantize; int8's SwiGLU row
+timed beside them) against variants of their width (vectors a thread, threads a row) and register budget
+(lab/row_sweep.cu), LLaMA-2-7B's 2,048-token shapes. Each variant's codes and scales are compared bit for bit with the
+product kernel's; times are CUDA events over back-to-back launches (median of 15 batches of 20), inputs rotated past
+the L2.
 
     python -m kernels_cu.lab.row_sweep [--tokens 2048] [--hidden 4096] [--ffn 11008]
 """
@@ -90,8 +91,8 @@ def main() -> None:
                    lambda i: (q_f[i % 2], s_f[i % 2]), 2, (T * 2 * F * 2 + T * F) / 1e6, T)
 
         q_i = [torch.empty(T, F, dtype=torch.int8, device=dev) for _ in range(2)]
-        nv, threads = silu_row_launch(F // 8)
-        run_family("int8 silu_mul_dyn (the same bytes read as [gate | up])", (("silu_mul.cu", f"silu_mul_dyn_nv{nv}"), threads), (),
+        run_family("int8 silu_mul_dyn (the same bytes as [gate | up])", (("silu_mul.cu", f"silu_mul_dyn_nv{nv}"),
+                   threads), (),
                    I8_SILU_SIGNATURE, lambda i: (None, q_i[i % 2], s_f[i % 2], None, gu[i % 2], F),
                    lambda i: (q_i[i % 2], s_f[i % 2]), 2, (T * 2 * F * 2 + T * F) / 1e6, T)
 
