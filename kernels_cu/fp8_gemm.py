@@ -33,7 +33,7 @@ import torch
 
 from kernels_cu import build, fp8_wgmma, fp8_wgmma_decode, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new, row_launch
-from kernels_cu.fp8_contract import CODES, fp8_gemm_ref, fp8_swiglu_ref
+from kernels_cu.fp8_contract import CODES, check_act_scale, check_weight, fp8_gemm_ref, fp8_swiglu_ref
 from kernels_cu.fp8_quantize import (FP8, FP8_MAX, MIN_AMAX, check_static_scale, fp8_quantize, fp8_quantize_fold,
                                      fp8_quantize_ref)
 from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_ROWS, GEMV_THREADS, cdiv, gemv_shared, sm_count, smem_per_sm,
@@ -142,7 +142,7 @@ def fp8_linear_norm(x: NormIn, w8: torch.Tensor, w_scale: torch.Tensor, static_s
     h = x.h
     if h.dim() != 2:
         raise ValueError(f"h must be 2-D, got {tuple(h.shape)}")
-    M, K, N = _check_weight(h, w8, w_scale, None)
+    M, K, N = check_weight(h, w8, w_scale, None)
     launch = norm_launch(K)
     if launch is None:
         return fp8_linear(x.normed(), w8, w_scale, static_scale, swiglu=swiglu, xq=True)
@@ -168,7 +168,7 @@ def _xq(x, w8, w_scale, static_scale, residual, swiglu: bool) -> torch.Tensor:
     """fp8_gemv_xq[_res|_silu] on fp16 x [M, K] (8 rows a block; meant for a few rows)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got {tuple(x.shape)}")
-    M, K, N = _check_weight(x, w8, w_scale, residual)
+    M, K, N = check_weight(x, w8, w_scale, residual)
     check_tensor(x, "x", torch.float16)
     check_static_scale(static_scale)
     if swiglu:
@@ -218,7 +218,7 @@ def fp8_gemm_deferred(xq: DeferredQuant, w8: torch.Tensor, w_scale: torch.Tensor
         else:
             raise ValueError("a deferred fp8 quantization of several rows needs their partial maxima or a static scale")
         return fp8_gemm(x8, a_scale, w8, w_scale, residual, fold_out=fold_out)
-    M, K, N = _check_weight(x, w8, w_scale, residual)
+    M, K, N = check_weight(x, w8, w_scale, residual)
     check_tensor(x, "x", torch.float16, align=16)  # the lanes' 4-byte reads
     if part is not None:
         if part.dim() != 2 or part.shape[0] != 1 or part.shape[1] == 0:
@@ -269,7 +269,7 @@ def fp8_gemm_fold(fq: FoldQuant, w8: torch.Tensor, w_scale: torch.Tensor, static
         return DeferredQuant(y, part) if maxima else y
     check_tensor(fq.xg, "xg", torch.float16, align=16)
     check_static_scale(static_scale)
-    M, K, N = _check_weight(fq.xg, w8, w_scale, None)
+    M, K, N = check_weight(fq.xg, w8, w_scale, None)
     if row_amax is not None or maxima:
         if not (swiglu and maxima):
             raise ValueError("maxima and row_amax are the SwiGLU epilogue's")
@@ -398,23 +398,7 @@ def fp8_linear_norm_ref(x: NormIn, w8: torch.Tensor, w_scale: torch.Tensor, stat
 def _check(x8, a_scale, w8, w_scale, residual) -> tuple[int, int, int]:
     if x8.dim() != 2:
         raise ValueError(f"x8 must be 2-D, got {tuple(x8.shape)}")
-    M, K, N = _check_weight(x8, w8, w_scale, residual)
+    M, K, N = check_weight(x8, w8, w_scale, residual)
     check_tensor(x8, "x8", CODES + (torch.float16,), align=16 if x8.dtype == torch.float16 else 1)
-    if a_scale.numel() not in (M, 1):
-        raise ValueError(f"a_scale must hold {M} per-token scales or 1 per-tensor scale, got {a_scale.numel()}")
-    check_tensor(a_scale, "a_scale", torch.float32, align=4)
-    return M, K, N
-
-
-def _check_weight(x, w8, w_scale, residual) -> tuple[int, int, int]:
-    """The weight side of an fp8 linear whose input x is [M, K]: w8 e4m3 [N, K], w_scale [N], residual [M, N]."""
-    M, K = x.shape
-    if w8.dim() != 2 or w8.shape[1] != K:
-        raise ValueError(f"the input has K={K} but w8 is {tuple(w8.shape)}")
-    N = w8.shape[0]
-    check_multiple(K, 16, "the fp8 GEMM's K")
-    check_tensor(w8, "w8", CODES)
-    check_tensor(w_scale, "w_scale", torch.float32, (N,), align=16)
-    if residual is not None:
-        check_tensor(residual, "residual", torch.float16, (M, N), align=4)
+    check_act_scale(a_scale, M)
     return M, K, N

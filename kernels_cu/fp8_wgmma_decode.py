@@ -28,7 +28,7 @@ import torch
 
 from kernels_cu import build, counters, norm_fold, tensor_map, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
-from kernels_cu.fp8_contract import CODES, fp8_gemm_ref, fp8_swiglu_ref
+from kernels_cu.fp8_contract import CODES, check_act_scale, check_weight, fp8_gemm_ref, fp8_swiglu_ref
 from kernels_cu.gemm_shapes import cdiv, sm_count
 from kernels_cu.norm_fold import FoldOut
 
@@ -201,22 +201,12 @@ def _check(x8, a_scale, w8, w_scale, residual, swiglu, fold_out, part) -> tuple[
     """Shapes, dtypes, alignment and the GPU; M, K, N."""
     if x8.dim() != 2 or w8.dim() != 2:
         raise ValueError(f"x8 and w8 must be 2-D, got {tuple(x8.shape)} and {tuple(w8.shape)}")
-    M, K = x8.shape
-    N = w8.shape[0]
-    if w8.shape[1] != K:
-        raise ValueError(f"x8 has K={K} but w8 is {tuple(w8.shape)}")
-    check_multiple(K, 16, "the fp8 decode GEMM's K (TMA rows of 16-byte multiples)")
-    check_multiple(N, 16, "the fp8 decode GEMM's N (16-channel panels)")
+    check_multiple(w8.shape[0], 16, "the fp8 decode GEMM's N (16-channel panels)")
+    M, K, N = check_weight(x8, w8, w_scale, residual)  # K in 16-byte rows (TMA), w8 16-byte aligned (its base)
     check_tensor(x8, "x8", CODES, align=16)  # the 16-byte cp.async chunks
-    check_tensor(w8, "w8", CODES, align=16)  # TMA: 16-byte base
-    if a_scale.numel() not in (M, 1):
-        raise ValueError(f"a_scale must hold {M} per-token scales or 1 per-tensor scale, got {a_scale.numel()}")
-    check_tensor(a_scale, "a_scale", torch.float32, align=4)
-    check_tensor(w_scale, "w_scale", torch.float32, (N,), align=4)
+    check_act_scale(a_scale, M)
     if swiglu and residual is not None:
         raise ValueError("the SwiGLU epilogue takes no residual")
-    if residual is not None:
-        check_tensor(residual, "residual", torch.float16, (M, N), align=4)
     if fold_out is not None:
         if residual is None:
             raise ValueError("the decode GEMM defers the next RMSNorm with its residual")

@@ -16,8 +16,8 @@ namespace fllama {
 // up to 1,024. 56 registers hold a thread's 8 loads in flight without spilling and keep three blocks of LLaMA-2-7B's
 // 352-thread rows resident (58, the compiler's choice without a cap, allocates as 64 and leaves two: 15% slower).
 #define FLLAMA_SILU_BOUNDS(NV) FLLAMA_SILU_BOUNDS_##NV
-#define FLLAMA_SILU_BOUNDS_1 __launch_bounds__(256)
-#define FLLAMA_SILU_BOUNDS_2 __launch_bounds__(256)
+#define FLLAMA_SILU_BOUNDS_1 FLLAMA_ROW_BOUNDS(1)
+#define FLLAMA_SILU_BOUNDS_2 FLLAMA_ROW_BOUNDS(2)
 #define FLLAMA_SILU_BOUNDS_4 __maxnreg__(56)
 #define FLLAMA_SILU_WIDTHS(M) M(1) M(2) M(4)
 
