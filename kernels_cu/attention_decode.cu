@@ -289,8 +289,10 @@ extern "C" __global__ void __launch_bounds__(128)
 //   second barrier keeps every block's shared memory alive until block 0 has read it. No fence, no counter,
 //   no workspace. Push mode, where block 0's range is one stage (short contexts, the common decode case) and the
 //   partials fit in the shared memory it leaves unused (Geom::PUSH_OFF): each other block stores its partial
-//   into block 0's shared memory (st.shared::cluster), arrives at the barrier and exits at once; block 0 waits
-//   there and combines from its own shared memory, with no remote round trip and no second barrier. Blocks past
+//   into block 0's shared memory by st.async, each store completing its bytes on block 0's mbarrier, and exits at
+//   once; block 0 waits on that barrier for all the bytes and combines from its own shared memory, with no remote
+//   round trip, no second cluster barrier and no fence (a release arrival on the cluster barrier is a GPU-scope
+//   MEMBAR that waits for every store in flight: ~0.6 us a layer). Blocks past
 //   the row's end exit at once: a cluster barrier waits only for threads that have not exited (PTX ISA), and
 //   nothing reads their shared memory.
 // RoPE mode (qkv non-null; q unused): the kernel takes the fused QKV GEMV output and does rope_kv.cu's work
@@ -308,12 +310,13 @@ extern "C" __global__ void __launch_bounds__(128)
 //   bytes, so no block reads another block's store. rope_kv's guards with pos = p: p outside the cos/sin
 //   table -> q = 0 and no store; p >= L or an empty row -> no store.
 // Timing probe (-DFLLAMA_ATTN_PROBE, never in the engine's build): thread 0 of each fused block stamps
-// %globaltimer at its phases into fllama_attn_probe[block][phase] (phase 9: the SM), read back by
+// %globaltimer at its phases into fllama_attn_probe[block][phase] (slot 15: the SM), read back by
 // kernels_cu.lab.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
 // 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit; 8: the two-pass combine's weights
-// ready (its first pass).
+// ready (its first pass); 9 the warps' partials stored for the merge, 10 the push's cluster wait passed, 11 the
+// two-pass combine's sums done.
 #ifdef FLLAMA_ATTN_PROBE
-__device__ unsigned long long fllama_attn_probe[8192][10];
+__device__ unsigned long long fllama_attn_probe[8192][16];
 __device__ __forceinline__ void attn_stamp(int phase) {
     if (threadIdx.x != 0) return;
     unsigned long long t;
@@ -324,7 +327,7 @@ __device__ __forceinline__ void attn_stamp(int phase) {
         if (phase == 0) {
             unsigned sm;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-            fllama_attn_probe[blk][9] = sm;
+            fllama_attn_probe[blk][15] = sm;
         }
     }
 }
@@ -555,6 +558,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     __shared__ int s_last;
     __shared__ float s_red[32];
     __shared__ float s_l[SLOTS];
+    __shared__ __align__(8) uint64_t s_push;  // CL push mode: block 0's mbarrier, completed by the pushed bytes
 
     if (dynamic_smem_size() < (uint32_t)G::SMEM) __trap();  // the launcher disagrees with this layout
     const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
@@ -577,13 +581,17 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 
     const int slots = min(SLOTS, R - hg * SLOTS), head0 = kvh * R + hg * SLOTS;
     // CL push mode, where block 0's range is one stage and the partials fit beside it: each other block stores its
-    // partial straight into block 0's shared memory (Geom::PUSH_OFF), arrives at the cluster barrier and exits;
-    // block 0 waits there and combines from its own shared memory. That saves the pull's DSMEM round trip and the
-    // second barrier, which keeps every block until block 0 has read it. Phase 1, arrived at here, only says that
-    // every block has started (shared memory may be written remotely only then); phase 2 carries the partials.
+    // partial straight into block 0's shared memory (Geom::PUSH_OFF) by st.async and exits; block 0 waits on its
+    // mbarrier s_push for the bytes and combines from its own shared memory. That saves the pull's DSMEM round trip
+    // and the second barrier, which keeps every block until block 0 has read it. The cluster barrier's one phase,
+    // arrived at here, says that every block has started and that block 0's mbarrier is initialized: shared memory
+    // may be written remotely only then.
     const bool push = CL && n_act > 1 && min(tps * 16, len) <= STAGE &&
                       (n_act - 1) * slots * (D + 2) * 4 <= G::PUSH_BYTES;  // the same in every block of the unit
-    if (push) cluster_arrive_relaxed();
+    if (push) {
+        if (split == 0 && threadIdx.x == 0) mbar_init_cluster(smem_addr(&s_push), 1);  // before the phase-1 arrival
+        cluster_arrive_relaxed();
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const size_t row0 = ((size_t)b * Hkv + kvh) * L;
     float* wo = reinterpret_cast<float*>(smem);  // merge area [WARPS][SLOTS][D], then m, l [WARPS][SLOTS]
@@ -825,6 +833,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             wl[warp * SLOTS + 2 * t + 1] = l1;
         }
         __syncthreads();
+        attn_stamp(9);
     } else if (qkv != nullptr) {
         pdl_enter_attention(rows);  // an empty row streams nothing, but the writes below wait
     }
@@ -840,7 +849,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
         if (quant_static) q_out[o] = quantize_i8(__half2float(y), inv_static);
     };
-    if (push) cluster_wait_acquire();  // phase 1: block 0 has started (long since, by now)
+    if (push) cluster_wait_acquire();  // block 0 has started and set up s_push (long since, by now)
+    attn_stamp(10);
     for (int e = tid; e < slots * D; e += THREADS) {
         const int h = e / D, d = e % D;
         float acc = 0.0f, l = 0.0f, m = -INFINITY;
@@ -858,10 +868,10 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             emit(h, d, __float2half_rn(len > 0 ? acc / l : 0.0f));  // an empty row attends to nothing
         } else if (CL && push && split > 0) {  // into block 0's slot for this split
             float* slot = reinterpret_cast<float*>(smem + G::PUSH_OFF) + (split - 1) * slots * (D + 2);
-            st_cluster(slot + h * D + d, 0, acc);
+            st_async_cluster(slot + h * D + d, 0, acc, smem_addr(&s_push));
             if (d == 0) {
-                st_cluster(slot + slots * D + 2 * h, 0, m);
-                st_cluster(slot + slots * D + 2 * h + 1, 0, l);
+                st_async_cluster(slot + slots * D + 2 * h, 0, m, smem_addr(&s_push));
+                st_async_cluster(slot + slots * D + 2 * h + 1, 0, l, smem_addr(&s_push));
             }
         } else if (CL) {
             float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
@@ -905,13 +915,14 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     };
     attn_stamp(5);
     if (push) {
-        cluster_arrive_release();  // phase 2: this block's partial is where block 0 reads it
-        if (split != 0) {
+        if (split != 0) {  // its stores complete on block 0's barrier by themselves
             attn_stamp(6);
             attn_stamp(7);
             return;
         }
-        cluster_wait_acquire();
+        __syncthreads();  // block 0's own partial
+        if (tid == 0) mbar_expect_tx(smem_addr(&s_push), (n_act - 1) * slots * (D + 2) * 4);  // its one arrival
+        mbar_wait(smem_addr(&s_push), 0);  // every other block's partial has landed
     } else if (CL && n_act > 1) {
         cluster_sync();  // every block's partial is in its shared memory
     }
@@ -969,6 +980,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
             for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
             emit(h, d, __float2half_rn(acc / s_l[h]));
         }
+        attn_stamp(11);
     } else if (n_act > 1 && !CL) {
         return;  // not the unit's last block
     }

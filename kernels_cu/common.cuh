@@ -270,4 +270,47 @@ __device__ __forceinline__ void st_cluster(float* p, int rank, float v) {
     FLLAMA_CLUSTER_ASM("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(v) : "memory");
 }
 
+// mbarriers (shared memory, 8 bytes; sm_90, traps below like the cluster helpers): a barrier's phase completes once
+// `count` arrivals have come and the bytes announced by expect_tx have landed; waiters name the phase by its parity
+// (0 first). A wait on parity 1 before any phase completed returns at once, which lets a producer pass its first
+// round of "slot empty" waits without the consumers' arrivals.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    FLLAMA_CLUSTER_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Release semantics: this thread's earlier shared-memory writes are visible to whoever waits the phase out.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    FLLAMA_CLUSTER_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Relaxed: for a consumer whose wgmma reads of the slot are complete once wgmma.wait_group returned; a release would
+// make the arriving lane wait for its own global loads in flight and orders nothing the producer needs.
+__device__ __forceinline__ void mbar_arrive_relaxed(uint32_t bar) {
+    FLLAMA_CLUSTER_ASM("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    FLLAMA_CLUSTER_ASM("{\n.reg .pred done;\nWAIT:\n"
+                       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                       "@!done bra WAIT;\n}\n" ::"r"(bar),
+                       "r"(parity)
+                       : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    FLLAMA_CLUSTER_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Cluster push: blocks store values into block `rank`'s shared memory with st.async, each store completing its 4
+// bytes on that block's mbarrier `bar` (the address it has in this block), and the owner waits on the barrier for
+// the bytes it expects. Neither side needs a fence or a cluster barrier after the stores (a release arrival on the
+// cluster barrier is a GPU-scope MEMBAR). The owner initializes the barrier (mbar_init_cluster) before a cluster
+// barrier phase that the pushing blocks wait out before their first store.
+__device__ __forceinline__ void mbar_init_cluster(uint32_t bar, int count) {
+    mbar_init(bar, count);
+    FLLAMA_CLUSTER_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void st_async_cluster(float* p, int rank, float v, uint32_t bar) {
+    const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
+    FLLAMA_CLUSTER_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(remote),
+                       "r"(__float_as_uint(v)), "r"(cluster_map(bar, rank))
+                       : "memory");
+}
+
 }  // namespace fllama

@@ -56,30 +56,6 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// mbarriers (shared memory, 8 bytes) for the producer / consumer hand-off of warp-specialized pipelines: a
-// barrier's phase completes once `count` arrivals have come; waiters name the phase by its parity (0 first).
-// A wait on parity 1 before any phase completed returns at once, which lets a producer pass its first round
-// of "slot empty" waits without the consumers' arrivals.
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Release semantics: this thread's earlier shared-memory writes are visible to whoever waits the phase out.
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Relaxed: for a consumer whose wgmma reads of the slot are complete once wgmma.wait_group returned; a release would
-// make the arriving lane wait for its own global loads in flight and orders nothing the producer needs.
-__device__ __forceinline__ void mbar_arrive_relaxed(uint32_t bar) {
-    asm volatile("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-
 // TMA (the bulk tensor copy engine): the box at (c0, r0) of a 2D tensor map (in global memory) into shared memory
 // at dst, completing its bytes on the mbarrier bar, whose phase mbar_expect_tx announced them. The 128-byte swizzle of
 // a map made with it matches sw128's layout (dst 1024-byte aligned).
@@ -88,9 +64,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, uint3
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(dst), "l"(map), "r"(c0), "r"(r0), "r"(bar)
         : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 // Barrier of a subset of the block (ids 1-15; 0 is __syncthreads), e.g. one warpgroup's 128 threads.

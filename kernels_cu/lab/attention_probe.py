@@ -22,8 +22,8 @@ import torch
 PROBE_FLAG = "-DFLLAMA_ATTN_PROBE"
 
 PHASES = ("entry", "split known", "copies issued", "stage 0 landed", "loop done", "partial written",
-          "cluster barrier", "exit", "combine weights")  # the last: the two-pass combine's first pass done
-SLOTS = 10  # u64 per block: 9 phases, the SM
+          "cluster barrier", "exit", "combine weights", "merge stored", "cluster wait passed", "combined")
+SLOTS = 16  # u64 per block: 12 phases (8: the two-pass combine's weights, 11: its sums), 3 unused, the SM
 
 
 def probe_buffers() -> list[tuple[int, int]]:
