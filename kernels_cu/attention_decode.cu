@@ -54,6 +54,9 @@ __device__ __forceinline__ uint32_t scale2(uint32_t h2, float s) {
     const float2 f = __half22float2(bits_h2(h2));
     return h2_bits(__floats2half2_rn(f.x * s, f.y * s));
 }
+__device__ __forceinline__ float4 fma4(float a, float4 b, float4 c) {
+    return make_float4(__fmaf_rn(a, b.x, c.x), __fmaf_rn(a, b.y, c.y), __fmaf_rn(a, b.z, c.z), __fmaf_rn(a, b.w, c.w));
+}
 __device__ __forceinline__ uint4 scale8(uint4 v, float s) {
     return make_uint4(scale2(v.x, s), scale2(v.y, s), scale2(v.z, s), scale2(v.w, s));
 }
@@ -313,8 +316,8 @@ extern "C" __global__ void __launch_bounds__(128)
 // %globaltimer at its phases into fllama_attn_probe[block][phase] (slot 15: the SM), read back by
 // kernels_cu.lab.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
 // 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit; 8: the two-pass combine's weights
-// ready (its first pass); 9 the warps' partials stored for the merge, 10 the push's cluster wait passed, 11 the
-// two-pass combine's sums done.
+// ready (its first pass); 9 the warps' partials stored for the merge, 10 the push's cluster wait passed, 11 block 0's
+// combine done (push, two-pass).
 #ifdef FLLAMA_ATTN_PROBE
 __device__ unsigned long long fllama_attn_probe[8192][16];
 __device__ __forceinline__ void attn_stamp(int phase) {
@@ -540,6 +543,67 @@ __device__ __forceinline__ void store_new_kv(Half8 lo, Half8 hi, const float* cs
     }
 }
 
+// CL push mode: each block's partial, its warps merged per 4-dim chunk of a head (a chunk a thread), goes into block
+// 0's shared memory by st.async (O as v4 into pushed [split - 1][slots][D], (m, l) as v2 into pml[split - 1][head]),
+// the stores completing their bytes on block 0's mbarrier `bar`. Block 0 keeps its own in registers, waits for the
+// bytes and combines every split up to CLUSTER_MAX without a branch: pml holds (-inf, 0) past the unit's blocks (weight
+// 0), and their O reads the last block's (0 x finite adds nothing). Both steps add in the workspace path's order (the
+// same bits): the merge over warps in warp order, l as warp_sum's butterfly adds lanes c, acc in split order.
+// Returns whether the block goes on (block 0 only).
+template <int D, typename Emit>
+__device__ __forceinline__ bool push_combine(const float* wo, const float* wm, const float* wl, float* pushed,
+                                             float2 (*pml)[SLOTS], uint32_t bar, int slots, int split, int n_act,
+                                             Emit emit) {
+    static_assert(CLUSTER_MAX == 16, "the butterfly below adds 16 lanes");
+    for (int cq = threadIdx.x; cq < slots * D / 4; cq += THREADS) {
+        const int h = 4 * cq / D, d = 4 * cq % D;
+        float m = -INFINITY, l = 0.0f;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = exp2f(wm[w * SLOTS + h] - m);
+            l = __fmaf_rn(f, wl[w * SLOTS + h], l);
+            acc = fma4(f, *reinterpret_cast<const float4*>(wo + (w * SLOTS + h) * D + d), acc);
+        }
+        if (split > 0) {
+            st_async_cluster4(pushed + ((split - 1) * slots + h) * D + d, 0, acc, bar);
+            if (d == 0) st_async_cluster2(&pml[split - 1][h].x, 0, make_float2(m, l), bar);
+            continue;
+        }
+        mbar_wait(bar, 0);  // every other block's partial has landed (at once after the first chunk)
+        float2 ml[CLUSTER_MAX - 1];
+        float M = m;
+#pragma unroll
+        for (int c = 1; c < CLUSTER_MAX; ++c) {
+            ml[c - 1] = pml[c - 1][h];
+            M = fmaxf(M, ml[c - 1].x);
+        }
+        float v[CLUSTER_MAX];  // lane c's w_c l_c in the workspace path's warp_sum
+        const float w0 = exp2f(m - M);
+        v[0] = w0 * l;
+        float4 sum = fma4(w0, acc, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+#pragma unroll
+        for (int c = 1; c < CLUSTER_MAX; ++c) {
+            const float wc = exp2f(ml[c - 1].x - M);
+            v[c] = wc * ml[c - 1].y;
+            const int src = min(c, n_act - 1) - 1;
+            sum = fma4(wc, *reinterpret_cast<const float4*>(pushed + (src * slots + h) * D + d), sum);
+        }
+        // warp_sum over lanes 0..31, 16 and up holding 0: xor 16 adds zeros, then xor 8, 4, 2, 1 pair lanes so
+        float a[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c) a[c] = v[c] + v[c + 8];
+        const float l_sum = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        emit(h, d, __float2half_rn(sum.x / l_sum));
+        emit(h, d + 1, __float2half_rn(sum.y / l_sum));
+        emit(h, d + 2, __float2half_rn(sum.z / l_sum));
+        emit(h, d + 3, __float2half_rn(sum.w / l_sum));
+    }
+    return split == 0;
+}
+
 template <int D, int KV, bool CL>
 __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __restrict__ q_out,
                                            float* __restrict__ a_scale, const float* __restrict__ static_amax,
@@ -559,6 +623,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
     __shared__ float s_red[32];
     __shared__ float s_l[SLOTS];
     __shared__ __align__(8) uint64_t s_push;  // CL push mode: block 0's mbarrier, completed by the pushed bytes
+    __shared__ float2 s_pml[CLUSTER_MAX - 1][SLOTS];  // CL push mode: (m, l) of splits 1.. in block 0
 
     if (dynamic_smem_size() < (uint32_t)G::SMEM) __trap();  // the launcher disagrees with this layout
     const int R = H / Hkv, HG = (R + SLOTS - 1) / SLOTS;
@@ -581,15 +646,22 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
 
     const int slots = min(SLOTS, R - hg * SLOTS), head0 = kvh * R + hg * SLOTS;
     // CL push mode, where block 0's range is one stage and the partials fit beside it: each other block stores its
-    // partial straight into block 0's shared memory (Geom::PUSH_OFF) by st.async and exits; block 0 waits on its
-    // mbarrier s_push for the bytes and combines from its own shared memory. That saves the pull's DSMEM round trip
-    // and the second barrier, which keeps every block until block 0 has read it. The cluster barrier's one phase,
-    // arrived at here, says that every block has started and that block 0's mbarrier is initialized: shared memory
-    // may be written remotely only then.
+    // partial straight into block 0's shared memory (Geom::PUSH_OFF and s_pml) by st.async and exits; block 0 waits
+    // on its mbarrier s_push for the bytes and combines from its own shared memory (push_combine). That saves the
+    // pull's DSMEM round trip and the second barrier, which keeps every block until block 0 has read it. The cluster
+    // barrier's one phase, arrived at here, says that every block has started and that block 0's mbarrier is
+    // initialized: shared memory may be written remotely only then.
     const bool push = CL && n_act > 1 && min(tps * 16, len) <= STAGE &&
-                      (n_act - 1) * slots * (D + 2) * 4 <= G::PUSH_BYTES;  // the same in every block of the unit
+                      (n_act - 1) * slots * D * 4 <= G::PUSH_BYTES;  // the same in every block of the unit
     if (push) {
-        if (split == 0 && threadIdx.x == 0) mbar_init_cluster(smem_addr(&s_push), 1);  // before the phase-1 arrival
+        if (split == 0) {
+            if (threadIdx.x == 0) {  // before the phase-1 arrival; its one arrival announces every byte
+                mbar_init_cluster(smem_addr(&s_push), 1);
+                mbar_expect_tx(smem_addr(&s_push), (n_act - 1) * slots * (D + 2) * 4);
+            }
+            for (int i = threadIdx.x; i < (CLUSTER_MAX - 1) * SLOTS; i += THREADS)  // the splits past the unit's
+                if (i / SLOTS >= n_act - 1) s_pml[i / SLOTS][i % SLOTS] = make_float2(-INFINITY, 0.0f);
+        }
         cluster_arrive_relaxed();
     }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -666,6 +738,8 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         if (qkv != nullptr) rope_query<D, KV8>(qb, qp, cs4, rot_ok, ph, lane);
         if (new_kv && warp == 0) store_kv();  // before the loop's first barrier, which orders p's stage row
         attn_stamp(2);
+        if (push) cluster_wait_acquire();  // block 0 has started and set up s_push (long since): under the copies
+        attn_stamp(10);
         for (int s = 0; s < nstages; ++s) {
             cp_async_wait<NBUF - 2>();
             __syncthreads();  // stage s landed for every thread; every warp is done with stage s - 1
@@ -849,150 +923,126 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         out_amax = fmaxf(out_amax, fabsf(__half2float(y)));
         if (quant_static) q_out[o] = quantize_i8(__half2float(y), inv_static);
     };
-    if (push) cluster_wait_acquire();  // block 0 has started and set up s_push (long since, by now)
-    attn_stamp(10);
-    for (int e = tid; e < slots * D; e += THREADS) {
-        const int h = e / D, d = e % D;
-        float acc = 0.0f, l = 0.0f, m = -INFINITY;
-        if (len > 0) {
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) {
-                const float f = exp2f(wm[w * SLOTS + h] - m);
-                l += f * wl[w * SLOTS + h];
-                acc += f * wo[(w * SLOTS + h) * D + d];
-            }
-        }
-        if (n_act == 1) {
-            emit(h, d, __float2half_rn(len > 0 ? acc / l : 0.0f));  // an empty row attends to nothing
-        } else if (CL && push && split > 0) {  // into block 0's slot for this split
-            float* slot = reinterpret_cast<float*>(smem + G::PUSH_OFF) + (split - 1) * slots * (D + 2);
-            st_async_cluster(slot + h * D + d, 0, acc, smem_addr(&s_push));
-            if (d == 0) {
-                st_async_cluster(slot + slots * D + 2 * h, 0, m, smem_addr(&s_push));
-                st_async_cluster(slot + slots * D + 2 * h + 1, 0, l, smem_addr(&s_push));
-            }
-        } else if (CL) {
-            float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
-            float* cl_ml = reinterpret_cast<float*>(smem) + G::CL_ML;
-            cl_o[h * D + d] = acc;
-            if (d == 0) {
-                cl_ml[2 * h] = m;
-                cl_ml[2 * h + 1] = l;
-            }
-        } else {
-            const size_t ph_idx = ((size_t)b * H + head0 + h) * S + split;
-            part_o[ph_idx * D + d] = acc;
-            if (d == 0) {
-                part_ml[2 * ph_idx] = m;
-                part_ml[2 * ph_idx + 1] = l;
-            }
-        }
-    }
-
-    // the unit's combine: partial c's (m, l) of head slot h and its O at dim d, from the workspace (after the
-    // last block's fence and counter) or, CL, from block c's shared memory (after the cluster barrier)
-    const float* cl_o = reinterpret_cast<const float*>(smem) + G::CL_O;
-    const float* cl_ml = reinterpret_cast<const float*>(smem) + G::CL_ML;
-    // push mode: split c > 0 in block 0's slot c - 1 (O [slots][D], then (m, l) per slot); else block c's own
-    const float* pushed = reinterpret_cast<const float*>(smem + G::PUSH_OFF);
-    auto cl_part = [&](const float* own, int off, int c) {  // own: this block's partial, off: its index in a slot
-        if (!push) return ld_cluster(own, c);
-        return c == 0 ? *own : pushed[(c - 1) * slots * (D + 2) + off];
-    };
-    auto part_m = [&](int h, int c) {
-        return CL ? cl_part(cl_ml + 2 * h, slots * D + 2 * h, c)
-                  : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2);
-    };
-    auto part_l = [&](int h, int c) {
-        return CL ? cl_part(cl_ml + 2 * h + 1, slots * D + 2 * h + 1, c)
-                  : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2 + 1);
-    };
-    auto part_od = [&](int h, int d, int c) {
-        return CL ? cl_part(cl_o + h * D + d, h * D + d, c)
-                  : __ldcg(part_o + (((size_t)b * H + head0 + h) * S + c) * D + d);
-    };
-    attn_stamp(5);
-    if (push) {
-        if (split != 0) {  // its stores complete on block 0's barrier by themselves
-            attn_stamp(6);
-            attn_stamp(7);
-            return;
-        }
-        __syncthreads();  // block 0's own partial
-        if (tid == 0) mbar_expect_tx(smem_addr(&s_push), (n_act - 1) * slots * (D + 2) * 4);  // its one arrival
-        mbar_wait(smem_addr(&s_push), 0);  // every other block's partial has landed
-    } else if (CL && n_act > 1) {
-        cluster_sync();  // every block's partial is in its shared memory
-    }
-    attn_stamp(6);
-    // a pushing cluster's block 0 reads its own shared memory: one pass while each thread has one element (no GQA),
-    // the two below beyond (they measure faster with a GQA unit's several heads, slower with one; docs/gpu.md)
-    const bool one_pass = !push || slots * D <= THREADS;
-    if (CL && one_pass && n_act > 1 && split == 0) {
-        // Block 0 of the cluster. Each thread issues every remote load it needs at once (lane c's (m_c, l_c),
-        // its dim's n_act partials): one DSMEM round trip, no barrier. Then the workspace path's arithmetic
-        // in its order (the same bits): M and l by the same butterflies, acc summed in split order with
-        // lane c's weight exp2(m_c - M) broadcast by a shuffle. h is warp-uniform (D % 32 == 0).
-        for (int e = tid; e < slots * D; e += THREADS) {
-            const int h = e / D, d = e % D;
-            const float mc = lane < n_act ? part_m(h, lane) : -INFINITY;
-            const float lc = lane < n_act ? part_l(h, lane) : 0.0f;
-            float pv[CLUSTER_MAX];
-#pragma unroll
-            for (int c = 0; c < CLUSTER_MAX; ++c) pv[c] = c < n_act ? part_od(h, d, c) : 0.0f;
-            const float m = warp_max(mc);
-            const float w = lane < n_act ? exp2f(mc - m) : 0.0f;
-            const float l = warp_sum(w * lc);
-            float acc = 0.0f;
-#pragma unroll
-            for (int c = 0; c < CLUSTER_MAX; ++c) {
-                const float wc = __shfl_sync(FULL_MASK, w, c);
-                if (c < n_act) acc += wc * pv[c];
-            }
-            emit(h, d, __float2half_rn(acc / l));
-        }
-    } else if (CL ? push : n_act > 1 && last_block_arrives(&counters[u], n_act, s_last)) {
-        // The unit's last block (workspace), or block 0 of a pushing cluster with several elements a thread: each
-        // head's weights once, then plain sums (the pass above recomputes them for every element through two
-        // butterflies). The merge area is free: every thread of the block passed it before the barrier.
-        float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M) (over the merge area)
-        for (int h = warp; h < slots; h += WARPS) {
-            float m = -INFINITY;
-            for (int c = lane; c < n_act; c += 32) m = fmaxf(m, part_m(h, c));
-            m = warp_max(m);
-            float l = 0.0f;
-            for (int c = lane; c < n_act; c += 32) {
-                const float w = exp2f(part_m(h, c) - m);
-                wts[h * S + c] = w;
-                l += w * part_l(h, c);
-            }
-            l = warp_sum(l);
-            if (lane == 0) s_l[h] = l;
-        }
-        __syncthreads();
-        attn_stamp(8);
-        for (int e = tid; e < slots * D; e += THREADS) {
-            const int h = e / D, d = e % D;
-            float acc = 0.0f;
-#pragma unroll 4
-            for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
-            emit(h, d, __float2half_rn(acc / s_l[h]));
-        }
-        attn_stamp(11);
-    } else if (n_act > 1 && !CL) {
-        return;  // not the unit's last block
-    }
-    if (CL && !push && n_act > 1) {
-        if (split == 0) attn_stamp(7);
-        cluster_sync();  // block 0 has read every partial: the others may exit
-        if (split != 0) {
-            attn_stamp(7);
-            return;
-        }
-    } else if (push) {
+    if (push) {  // block 0 combines in its own shared memory; the others push their partials there and exit
+        const bool block0 = push_combine<D>(wo, wm, wl, reinterpret_cast<float*>(smem + G::PUSH_OFF), s_pml,
+                                            smem_addr(&s_push), slots, split, n_act, emit);
+        attn_stamp(block0 ? 11 : 5);
         attn_stamp(7);
+        if (!block0) return;
+    } else {
+        for (int e = tid; e < slots * D; e += THREADS) {
+            const int h = e / D, d = e % D;
+            float acc = 0.0f, l = 0.0f, m = -INFINITY;
+            if (len > 0) {
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) {
+                    const float f = exp2f(wm[w * SLOTS + h] - m);
+                    l += f * wl[w * SLOTS + h];
+                    acc += f * wo[(w * SLOTS + h) * D + d];
+                }
+            }
+            if (n_act == 1) {
+                emit(h, d, __float2half_rn(len > 0 ? acc / l : 0.0f));  // an empty row attends to nothing
+            } else if (CL) {
+                float* cl_o = reinterpret_cast<float*>(smem) + G::CL_O;
+                float* cl_ml = reinterpret_cast<float*>(smem) + G::CL_ML;
+                cl_o[h * D + d] = acc;
+                if (d == 0) {
+                    cl_ml[2 * h] = m;
+                    cl_ml[2 * h + 1] = l;
+                }
+            } else {
+                const size_t ph_idx = ((size_t)b * H + head0 + h) * S + split;
+                part_o[ph_idx * D + d] = acc;
+                if (d == 0) {
+                    part_ml[2 * ph_idx] = m;
+                    part_ml[2 * ph_idx + 1] = l;
+                }
+            }
+        }
+
+        // the unit's combine: partial c's (m, l) of head slot h and its O at dim d, from the workspace (after the
+        // last block's fence and counter) or, CL, from block c's shared memory (after the cluster barrier)
+        const float* cl_o = reinterpret_cast<const float*>(smem) + G::CL_O;
+        const float* cl_ml = reinterpret_cast<const float*>(smem) + G::CL_ML;
+        auto part_m = [&](int h, int c) {
+            return CL ? ld_cluster(cl_ml + 2 * h, c) : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2);
+        };
+        auto part_l = [&](int h, int c) {
+            return CL ? ld_cluster(cl_ml + 2 * h + 1, c)
+                      : __ldcg(part_ml + (((size_t)b * H + head0 + h) * S + c) * 2 + 1);
+        };
+        auto part_od = [&](int h, int d, int c) {
+            return CL ? ld_cluster(cl_o + h * D + d, c)
+                      : __ldcg(part_o + (((size_t)b * H + head0 + h) * S + c) * D + d);
+        };
+        attn_stamp(5);
+        if (CL && n_act > 1) cluster_sync();  // every block's partial is in its shared memory
+        attn_stamp(6);
+        if (CL && n_act > 1 && split == 0) {
+            // Block 0 of the cluster. Each thread issues every remote load it needs at once (lane c's (m_c, l_c),
+            // its dim's n_act partials): one DSMEM round trip, no barrier. Then the workspace path's arithmetic
+            // in its order (the same bits): M and l by the same butterflies, acc summed in split order with
+            // lane c's weight exp2(m_c - M) broadcast by a shuffle. h is warp-uniform (D % 32 == 0).
+            for (int e = tid; e < slots * D; e += THREADS) {
+                const int h = e / D, d = e % D;
+                const float mc = lane < n_act ? part_m(h, lane) : -INFINITY;
+                const float lc = lane < n_act ? part_l(h, lane) : 0.0f;
+                float pv[CLUSTER_MAX];
+#pragma unroll
+                for (int c = 0; c < CLUSTER_MAX; ++c) pv[c] = c < n_act ? part_od(h, d, c) : 0.0f;
+                const float m = warp_max(mc);
+                const float w = lane < n_act ? exp2f(mc - m) : 0.0f;
+                const float l = warp_sum(w * lc);
+                float acc = 0.0f;
+#pragma unroll
+                for (int c = 0; c < CLUSTER_MAX; ++c) {
+                    const float wc = __shfl_sync(FULL_MASK, w, c);
+                    if (c < n_act) acc += wc * pv[c];
+                }
+                emit(h, d, __float2half_rn(acc / l));
+            }
+        } else if (!CL && n_act > 1 && last_block_arrives(&counters[u], n_act, s_last)) {
+            // The unit's last block: each head's weights once, then plain sums (the pass above recomputes them for
+            // every element through two butterflies). The merge area is free: every thread of the block passed it
+            // before the counter.
+            float* wts = reinterpret_cast<float*>(smem);  // [SLOTS][S] weights 2^(m_c - M) (over the merge area)
+            for (int h = warp; h < slots; h += WARPS) {
+                float m = -INFINITY;
+                for (int c = lane; c < n_act; c += 32) m = fmaxf(m, part_m(h, c));
+                m = warp_max(m);
+                float l = 0.0f;
+                for (int c = lane; c < n_act; c += 32) {
+                    const float w = exp2f(part_m(h, c) - m);
+                    wts[h * S + c] = w;
+                    l += w * part_l(h, c);
+                }
+                l = warp_sum(l);
+                if (lane == 0) s_l[h] = l;
+            }
+            __syncthreads();
+            attn_stamp(8);
+            for (int e = tid; e < slots * D; e += THREADS) {
+                const int h = e / D, d = e % D;
+                float acc = 0.0f;
+#pragma unroll 4
+                for (int c = 0; c < n_act; ++c) acc += wts[h * S + c] * part_od(h, d, c);
+                emit(h, d, __float2half_rn(acc / s_l[h]));
+            }
+            attn_stamp(11);
+        } else if (n_act > 1 && !CL) {
+            return;  // not the unit's last block
+        }
+        if (CL && n_act > 1) {
+            if (split == 0) attn_stamp(7);
+            cluster_sync();  // block 0 has read every partial: the others may exit
+            if (split != 0) {
+                attn_stamp(7);
+                return;
+            }
+        }
     }
 
     // this block finished its unit's heads

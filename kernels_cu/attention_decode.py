@@ -51,7 +51,7 @@ MAX_SPLITS = 512
 CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (attention_decode.cu; non-portable above 8)
 COUNTER_POOL = "attention"
 SIGNATURE = "PPPPPPPPPPPPPPPPiiiiiif"  # the attn_fused_* entries
-FUSED_STATIC_SMEM = 176  # bytes of static shared memory (ptxas)
+FUSED_STATIC_SMEM = 1104  # bytes of static shared memory (ptxas; the most is the `_cl` entries' push table)
 BLOCK_RESERVED_SMEM = 1024  # shared memory the hardware reserves per resident block (sm_80 and later)
 MAX_BLOCKS_PER_SM = 4  # the register budget (<= 128 per thread except d128 fp16, which smem caps at 3)
 

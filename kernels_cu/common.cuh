@@ -297,7 +297,7 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
     FLLAMA_CLUSTER_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// Cluster push: blocks store values into block `rank`'s shared memory with st.async, each store completing its 4
+// Cluster push: blocks store values into block `rank`'s shared memory with st.async, each store completing its
 // bytes on that block's mbarrier `bar` (the address it has in this block), and the owner waits on the barrier for
 // the bytes it expects. Neither side needs a fence or a cluster barrier after the stores (a release arrival on the
 // cluster barrier is a GPU-scope MEMBAR). The owner initializes the barrier (mbar_init_cluster) before a cluster
@@ -306,10 +306,18 @@ __device__ __forceinline__ void mbar_init_cluster(uint32_t bar, int count) {
     mbar_init(bar, count);
     FLLAMA_CLUSTER_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void st_async_cluster(float* p, int rank, float v, uint32_t bar) {
+// Four (two) floats at p, 16- (8-) byte aligned.
+__device__ __forceinline__ void st_async_cluster4(float* p, int rank, float4 v, uint32_t bar) {
     const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
-    FLLAMA_CLUSTER_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(remote),
-                       "r"(__float_as_uint(v)), "r"(cluster_map(bar, rank))
+    FLLAMA_CLUSTER_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
+                       ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                       "r"(__float_as_uint(v.w)), "r"(cluster_map(bar, rank))
+                       : "memory");
+}
+__device__ __forceinline__ void st_async_cluster2(float* p, int rank, float2 v, uint32_t bar) {
+    const uint32_t remote = cluster_map((uint32_t)__cvta_generic_to_shared(p), rank);
+    FLLAMA_CLUSTER_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
+                       ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(cluster_map(bar, rank))
                        : "memory");
 }
 

@@ -23,7 +23,7 @@ PROBE_FLAG = "-DFLLAMA_ATTN_PROBE"
 
 PHASES = ("entry", "split known", "copies issued", "stage 0 landed", "loop done", "partial written",
           "cluster barrier", "exit", "combine weights", "merge stored", "cluster wait passed", "combined")
-SLOTS = 16  # u64 per block: 12 phases (8: the two-pass combine's weights, 11: its sums), 3 unused, the SM
+SLOTS = 16  # u64 per block: 12 phases (8: the two-pass combine's weights, 11: block 0's combine), 3 unused, the SM
 
 
 def probe_buffers() -> list[tuple[int, int]]:
