@@ -6,9 +6,10 @@
 // directly (awq_gemm.cu) is instruction-bound at ~40-50% of the bandwidth. Here every lane's 16 bytes
 // are already 32 k-values of ONE output channel, nibbles placed so that the four LOP3 extractions of a
 // word give A-fragment pairs of an m16n8k16 mma as they come:
-//   block = W = 4 (or 8 / 2 / 1, the *_w8 / *_w2 / *_w1 entries) warps on a panel of 16 output channels (rows g
-//   and g + 8 of the mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and meeting in shared
-//   memory at the end (warps 0-3 sum and write; with 2 warps each thread two of the four sums, with 1 all four);
+//   block = W = 4 (or 16 / 8 / 2 / 1, the *_w16 / *_w8 / *_w2 / *_w1 entries) warps on a panel of 16 output
+//   channels (rows g and g + 8 of the mma, as fp16_gemv.cu), the warps taking turns over the panel's 128-k tiles and
+//   meeting in shared memory at the end (warps 0-3 sum and write; with 2 warps each thread two of the four sums,
+//   with 1 all four);
 //   a 128-k tile of the panel is 1 KB: [h = row g | row g + 8][lane][4 words];
 //   lane (g, t)'s 32 values of a tile are, for each group q of the tile (GS = 128 / GPT k's), the GS / 4
 //   consecutive k's k0 + q * GS + t * GS / 4 ...: its activations are 64 contiguous bytes per group-run,
@@ -27,8 +28,8 @@
 // this GEMV a producer (also xg = fp16(h * fold_w) and the panel's sum of h^2); fold_in a consumer (x is xg,
 // each token's sums scaled by its rstd before rounding).
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
-//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w8 /
-//   *_w2 / *_w1 the same with block 256 / 64 / 32.
+//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w16 /
+//   *_w8 / *_w2 / *_w1 the same with block 512 / 256 / 64 / 32.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
 #include "common.cuh"
@@ -216,7 +217,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
 
     pdl_gemv_streamed();
     // the deferred norm: each warp's rstd (its 8 MT / W tokens), read by all after the barrier below
-    if (fold_in != nullptr) fold_rstd<W, 8 * MT / W>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
+    if (fold_in != nullptr) fold_rstd<W, (8 * MT + W - 1) / W>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -329,6 +330,12 @@ FLLAMA_AWQ_GEMV_GROUPS(4, 1)
 FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 8, 2, plain_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 8, 2, res_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 8, 2, silu_w8)
+// W = 16 warps per panel (block 512, one resident: its registers fill the SM), 8 tokens, groups of 128, for grids
+// of at most one block a SM (gemv_warps: Llama-3.2-1B's o_proj and down_proj, 128 panels): twice the tiles in
+// flight of the 8-warp entry, so half as many round trips after the PDL wait.
+FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 16, 1, plain_w16)
+FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 16, 1, res_w16)
+FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 16, 1, silu_w16)
 // W = 2 warps per panel (block 64, eight resident: the same 16 warps per SM), 8 tokens, groups of 128, for grids
 // of one wave of them (gemv_warps: LLaMA-2-7B's q|k|v, 768 panels); the epilogue's threads each write two of a
 // lane's four accumulators.

@@ -23,6 +23,7 @@ from kernels_cu.swiglu_layout import swiglu_interleaved
 THREADS = 128
 # y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
 SIGNATURE = "PPPPPiiiiPPPPf"
+GEMV_TILES_PER_STEP = 2  # U of awq_gemv.cu's one-row-tile entries with groups of 128: a warp's tiles a step
 
 
 def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
@@ -101,19 +102,23 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
         if not _fold_compiled(mt, p.gpt) and (fold_in is not None or fold_out is not None):
             raise ValueError(f"the AWQ GEMV variant for {M} rows and groups of {p.gs} k takes no deferred RMSNorm")
         name = f"awq_gemv_mt{mt}_g{p.gpt}_{p.epilogue(residual)}"
-        warps = gemv_warps(p.n // PANEL, sm_count(x.device.index), M) if mt == 1 and p.gpt == 1 else 4
+        warps = gemv_warps(p.n // PANEL, sm_count(x.device.index), M, p.tiles) if mt == 1 and p.gpt == 1 else 4
         fn = build.get_function("awq_gemv.cu", name + ("" if warps == 4 else f"_w{warps}"), SIGNATURE)
         fn(gemv_grid(M, p.n), (32 * warps,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
            p.tiles, *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
     return y
 
 
-def gemv_warps(panels: int, sms: int, rows: int = 1) -> int:
-    """Warps per panel (8, 2, 1 or 4) of a GEMV of `rows` <= 8 rows (groups of 128) over `panels` 16-channel panels
-    on a GPU of `sms` SMs: the widest block whose grid is one wave of 16 warps a SM, 2-warp blocks only where that
-    wave holds awq_two_warp_min_warps warps a SM, 1-warp blocks only from awq_one_warp_min_rows rows, 4-warp blocks
-    where their grid is one wave (awq_four_warp_one_wave), then awq_wide_waves (tuning.py)."""
+def gemv_warps(panels: int, sms: int, rows: int = 1, tiles: int = 0) -> int:
+    """Warps per panel (16, 8, 2, 1 or 4) of a GEMV of `rows` <= 8 rows (groups of 128) over `panels` 16-channel
+    panels of `tiles` 128-k tiles on a GPU of `sms` SMs: 16 for one row where the grid is at most a block a SM and
+    an 8-warp block would take more than one step (awq_sixteen_warp_one_block), else the widest block whose grid is
+    one wave of 16 warps a SM, 2-warp blocks only where that wave holds awq_two_warp_min_warps warps a SM, 1-warp
+    blocks only from awq_one_warp_min_rows rows, 4-warp blocks where their grid is one wave (awq_four_warp_one_wave),
+    then awq_wide_waves (tuning.py)."""
     t = tuning.current()
+    if t.awq_sixteen_warp_one_block and rows == 1 and panels <= sms and tiles > 8 * GEMV_TILES_PER_STEP:
+        return 16
     if panels <= 2 * sms:
         return 8
     if panels <= 8 * sms and 2 * panels >= t.awq_two_warp_min_warps * sms:

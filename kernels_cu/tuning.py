@@ -85,7 +85,12 @@ class Tuning:
     # Above awq_gemv_max_m on Hopper with groups of 128: the fused wgmma GEMM (as fast as cuBLAS fp16 and no w_hat
     # pass) instead of dequantize + cuBLAS.
     awq_fused_prefill: bool = True
-    # One-row-tile GEMV warps per panel: 2-warp blocks where their one wave holds at least this many warps a SM
+    # One-row-tile GEMV warps per panel: 16-warp blocks for one row where the panels are at most one a SM and K is
+    # more than one step of the 8-warp block (twice its tiles in flight: H200, Llama-3.2-1B's down_proj, batch 1
+    # +2.6%; at 8 rows -1.2%; not its o_proj, one step either way, where the block's registers, a whole SM's, keep
+    # gate|up from starting early) ...
+    awq_sixteen_warp_one_block: bool = True
+    # ... 2-warp blocks where their one wave holds at least this many warps a SM
     # (a sparser wave leaves bandwidth unused; above 16: never).
     awq_two_warp_min_warps: int = 11
     # 1-warp blocks (one wave of them, no cross-warp reduction) only from this many rows: fewer rows leave each

@@ -98,3 +98,14 @@ def test_warps_per_panel_for_the_7b_and_70b_decode_shapes():
         assert [gemv_warps(p, 132) for p in (384, 512, 640)] == [8, 8, 8]
     assert [gemv_warps(1376, 132, m) for m in (1, 2, 4, 7)] == [4, 4, 4, 4]
     assert [gemv_warps(p, 114, 8) for p in (256, 768, 1376)] == [4, 2, 1]
+
+
+def test_sixteen_warps_where_the_panels_are_one_block_a_sm():
+    """Llama-3.2-1B's down_proj (2,048 channels, 128 panels; K 8,192, 64 tiles) on 132 SMs: one 16-warp block a SM at
+    one row (8 warps at 2-8); on 114 (H100 PCIe) its panels are more than the SMs: 8. Its o_proj (K 2,048: 16 tiles,
+    one step of the 8-warp block) on 8 warps; the knob turns it off."""
+    assert [gemv_warps(128, s, m, 64) for s in (132, 114) for m in (1, 2, 8)] == [16, 8, 8, 8, 8, 8]
+    assert [gemv_warps(128, 132, 1, t) for t in (16, 17)] == [8, 16]
+    assert [gemv_warps(p, 132, 1, 64) for p in (64, 132, 133)] == [16, 16, 8]
+    with tuning.override(awq_sixteen_warp_one_block=False):
+        assert gemv_warps(128, 132, 1, 64) == 8

@@ -40,7 +40,7 @@ ENTRY_POINTS = {
     "silu_mul.cu": [f"silu_mul_{v}_nv{n}" for v in ("plain", "dyn", "static") for n in (1, 2, 4)]
                    + ["silu_mul_interleaved"],
     "awq_gemv.cu": [f"awq_gemv_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4) for e in ("plain", "res", "silu")]
-                   + [f"awq_gemv_mt1_g1_{e}_w{w}" for e in ("plain", "res", "silu") for w in (8, 2, 1)],
+                   + [f"awq_gemv_mt1_g1_{e}_w{w}" for e in ("plain", "res", "silu") for w in (16, 8, 2, 1)],
     "awq_batch.cu": [f"awq_batch_mt{m}_g{g}_{e}" for m in (1, 2, 4) for g in (1, 2, 4)
                      for e in ("plain", "res", "silu")],
     "int8_wgmma.cu": ["int8_wgmma", "int8_wgmma_res"],

@@ -68,11 +68,13 @@ def test_fused_residual(M):
 
 
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
-@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (4096, 12288), (4096, 22016),
-                                 (2176, 17600)])
+@pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (8192, 2048), (4224, 2048),
+                                 (4096, 12288), (4096, 22016), (2176, 17600)])
 @pytest.mark.parametrize("M", [1, 3, 8])
-def test_eight_two_and_one_warp_entries(M, K, N, epi, monkeypatch):
-    """The 8-, 2- and 1-warp entries (gemv_warps: the widest block whose grid is one wave): one full step (K 2048),
+def test_sixteen_eight_two_and_one_warp_entries(M, K, N, epi, monkeypatch):
+    """The 16-, 8-, 2- and 1-warp entries (gemv_warps: 16 for one row where the panels are at most one a SM and K more
+    than an 8-warp step, else the widest block whose grid is one wave): the 16-warp entry's two full steps (K 8192)
+    and a full step with a guarded last one (4224: 33 tiles over steps of 32); the 8-warp one's single step (2048),
     full steps and a guarded last step (11008: 86 tiles over steps of 16; 2176: 17 tiles over steps of 2 on one
     warp); the widest shapes on the 4-warp entry, or at 8 rows on the 1-warp one."""
     qweight, qzeros, scales = awq_tensors(K, N, 128, seed=M + K + N)
@@ -83,7 +85,7 @@ def test_eight_two_and_one_warp_entries(M, K, N, epi, monkeypatch):
     y = torch.empty(M, N // 2 if epi == "silu" else N, dtype=torch.float16, device="cuda")
     poison(y)
     awq_linear(x, p, residual=res, out=y)
-    warps = gemv_warps(N // 16, sm_count(), M)
+    warps = gemv_warps(N // 16, sm_count(), M, p.tiles)
     assert names == [f"awq_gemv_mt1_g1_{epi}" + ("" if warps == 4 else f"_w{warps}")], names
     ref = awq_linear_ref(x, p, residual=res)
     if epi == "silu":
@@ -159,10 +161,10 @@ def test_gemv_resources(mt, gpt, epi):
 
 
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
-@pytest.mark.parametrize("warps", [8, 2, 1])
-def test_eight_two_and_one_warp_entry_resources(epi, warps):
-    """The 8-, 2- and 1-warp entries: no spills, and the same 16 warps per SM as four 4-warp blocks (two 256-thread
-    blocks, eight 64-thread ones, sixteen of 32)."""
+@pytest.mark.parametrize("warps", [16, 8, 2, 1])
+def test_sixteen_eight_two_and_one_warp_entry_resources(epi, warps):
+    """The 16-, 8-, 2- and 1-warp entries: no spills, and the same 16 warps per SM as four 4-warp blocks (one
+    512-thread block, two 256-thread ones, eight 64-thread ones, sixteen of 32)."""
     res = build.get_function("awq_gemv.cu", f"awq_gemv_mt1_g1_{epi}_w{warps}", SIGNATURE).resources()
     assert res["local_bytes"] == 0, res
     assert cdiv(res["registers"], 8) * 8 * 32 * warps * (16 // warps) <= 65536, res

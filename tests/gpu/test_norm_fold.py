@@ -67,7 +67,8 @@ def test_fp16_producer(M, K, N):
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("K,N,G", [(1536, 576, 64), (4096, 4096, 128), (11008, 4096, 128), (4096, 4096, 32),
                                    (1024, 12288, 128),  # 768 panels: the 2-warp entry on 132 SMs
-                                   (1024, 17600, 128)])  # 1,100: the 1-warp entry at 8 rows
+                                   (1024, 17600, 128),  # 1,100: the 1-warp entry at 8 rows
+                                   (8192, 2048, 128)])  # 128 panels: the 16-warp entry
 def test_awq_producer(M, K, N, G):
     p = pack_for_gemv(*awq_tensors(K, N, G, seed=K + N + G))
     x, res = randn(M, K, seed=M), randn(M, N, seed=M + 1)
