@@ -374,13 +374,14 @@ struct Geom {
     // the warps' merge area and the combine's weights reuse the stage buffers
     static_assert(WARPS * SLOTS * (D + 2) * 4 <= NBUF * BUF_BYTES, "merge area overflows the stage buffers");
     static_assert(SLOTS * MAX_SPLITS * 4 <= NBUF * BUF_BYTES, "combine weights overflow the stage buffers");
-    // CL: the block's partial O [SLOTS][D] and (m, l) [SLOTS][2] in floats, after the merge area (the one-pass
-    // combine keeps its weights in registers, the two-pass one writes them over the merge area, so nothing else is
-    // written there until the second barrier)
+    // CL pull mode: the block's partial O [SLOTS][D] and (m, l) [SLOTS][2] in floats, after the merge area (block
+    // 0's one-pass combine keeps its weights in registers, so nothing else is written there until the second barrier)
     static constexpr int CL_O = WARPS * SLOTS * (D + 2), CL_ML = CL_O + SLOTS * D;
     static_assert((CL_ML + 2 * SLOTS) * 4 <= NBUF * BUF_BYTES, "cluster partials overflow the stage buffers");
-    // CL push mode: the other blocks' partials in block 0's shared memory, past everything block 0 itself writes
-    // when its range is one stage (stage buffer 0, the merge area and its own partial)
+    // CL push mode: the other blocks' O partials in block 0's shared memory, past everything block 0 writes there when
+    // its range is one stage (stage buffer 0 and the merge area; its own partial stays in registers). PUSH_OFF is
+    // also past the pull layout's CL_END, which push mode does not write: the capacity the push / pull choice was
+    // measured and tested with (a larger one would push some int8-cache d128 lengths that pull now).
     static constexpr int CL_END = (CL_ML + 2 * SLOTS) * 4;
     static constexpr int PUSH_OFF = ((CL_END > BUF_BYTES ? CL_END : BUF_BYTES) + 15) / 16 * 16;
     static constexpr int PUSH_BYTES = NBUF * BUF_BYTES - PUSH_OFF;

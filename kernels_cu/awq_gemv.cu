@@ -331,8 +331,8 @@ FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 8, 2, plain_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 8, 2, res_w8)
 FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 8, 2, silu_w8)
 // W = 16 warps per panel (block 512, one resident: its registers fill the SM), 8 tokens, groups of 128, for grids
-// of at most one block a SM (gemv_warps: Llama-3.2-1B's o_proj and down_proj, 128 panels): twice the tiles in
-// flight of the 8-warp entry, so half as many round trips after the PDL wait.
+// of at most one block a SM at one row, K beyond one 8-warp step (gemv_warps: Llama-3.2-1B's down_proj, 128 panels
+// of 64 tiles): twice the tiles in flight of the 8-warp entry, so half as many round trips after the PDL wait.
 FLLAMA_AWQ_GEMV_W(1, 1, 0, 2, 16, 1, plain_w16)
 FLLAMA_AWQ_GEMV_W(1, 1, 1, 2, 16, 1, res_w16)
 FLLAMA_AWQ_GEMV_W(1, 1, 2, 2, 16, 1, silu_w16)
