@@ -17,7 +17,8 @@
 // lm_head, EngineConfig.lm_head_int8): y[m, n] = fp16(scale[n] * sum_k x[m, k] * q[n, k]). Half the weight bytes
 // through the same ring: a lane's 16 bytes of a row are 16 k's (TILE_K 64), its activations 32 bytes (GlobalX32),
 // and each byte becomes an exact fp16 (i8x4_to_h2x2) for the same m16n8k16 mma; the scale multiplies the fp32 sum.
-// grid (ceil(M / (8 * MT)), ceil(N / 16)): the token tiles of a panel side by side.
+// grid (ceil(M / (8 * MT)), ceil(N / 16)): the token tiles of a panel side by side. w8a16_gemv_mt1_w4: 4 warps
+// (block 128) for short rows (fp16_gemv.py: w8a16_warps), where 8 warps would each stream one step and exit.
 #include "gemm_common.cuh"
 #include "norm_fold.cuh"
 
@@ -25,11 +26,11 @@ using namespace fllama;
 
 namespace {
 
-constexpr int WARPS = 8;
 constexpr int UNROLL = 4;
 
 // The main loop's hook for a deferred-norm consumer (fold_in non-null): the partial sums towards L1 right
 // after the PDL wait (norm_fold.cuh).
+template <int WARPS>
 struct FoldHook {
     const float* fold_in;
     int m0, rows, K;
@@ -56,8 +57,8 @@ struct W8Mma {
 
 // EPI: 0 plain, 1 + residual, 2 SwiGLU of a gate|up weight interleaved by 8 (block rows 0-7 = gate
 // channels 8b.., rows 8-15 = the same up channels): y [M, N / 2] = fp16(silu(fp16 gate)) * fp16 up.
-// WT: __half weights, or int8_t with w_scale (fp32 [N]; the w8a16 entries, EPI 0 only).
-template <int MT, int EPI, typename WT = __half>
+// WT: __half weights, or int8_t with w_scale (fp32 [N]; the w8a16 entries, EPI 0 only). WARPS split K.
+template <int MT, int EPI, typename WT = __half, int WARPS = 8>
 __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* __restrict__ x,
                                           const WT* __restrict__ weight, const __half* __restrict__ residual,
                                           int M, int N, int K, const __half* __restrict__ fold_w,
@@ -66,6 +67,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
                                           const float* __restrict__ w_scale = nullptr) {
     constexpr bool W8 = sizeof(WT) == 1;
     static_assert(!W8 || EPI == 0, "int8 weights: the plain epilogue (the lm_head)");
+    static_assert(32 * WARPS >= MT * 128, "the epilogue takes a thread per (token tile, accumulator, lane)");
     constexpr int TILE_K = 64 / sizeof(WT);  // k's of a row's 64 bytes
     constexpr int LANE_K = 16 / sizeof(WT);  // k's of a lane's 16 bytes
     __shared__ float red[WARPS][MT][4][32];
@@ -95,16 +97,17 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
 
     if constexpr (W8) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, LANE_K * t, warp, M,
-                                             acc, W8Mma{}, FoldHook{fold_in, m0, rows, K}, GlobalX32{});
+                                             acc, W8Mma{}, FoldHook<WARPS>{fold_in, m0, rows, K}, GlobalX32{});
     } else {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, LANE_K * t, warp, M,
                                              acc,
                                              [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                 uint32_t b0, uint32_t b1) { mma_f16_16816(c, a0, a1, a2, a3, b0, b1); },
-                                             FoldHook{fold_in, m0, rows, K});
+                                             FoldHook<WARPS>{fold_in, m0, rows, K});
     }
     // the deferred norm: each warp's rstd (its 8 MT / WARPS tokens), read by all after the barrier below
-    if (fold_in != nullptr) fold_rstd<WARPS, MT>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
+    constexpr int TPW = (8 * MT + WARPS - 1) / WARPS;  // tokens a warp
+    if (fold_in != nullptr) fold_rstd<WARPS, TPW>(s_rstd, fold_in, m0, rows, K / 16, K, eps);
 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -166,15 +169,17 @@ FLLAMA_FP16_GEMV(fp16_gemv_mt2_silu, 2, 2)
 
 // (y fp16 [M,N], x fp16 [M,K], qweight int8 [N,K], w_scale f32 [N], int M, int N, int K, fold_in f32 [M,K/16] or
 //  null, float eps)
-#define FLLAMA_W8A16_GEMV(NAME, MT, BLOCKS)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256, BLOCKS)                                               \
+#define FLLAMA_W8A16_GEMV(NAME, MT, WARPS, BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS)                                        \
         NAME(__half* y, const __half* x, const int8_t* qweight, const float* w_scale, int M, int N, int K,  \
              const float* fold_in, float eps) {                                                             \
-        fp16_gemv<MT, 0, int8_t>(y, x, qweight, nullptr, M, N, K, nullptr, nullptr, nullptr, fold_in, eps, \
-                                 w_scale);                                                                  \
+        fp16_gemv<MT, 0, int8_t, WARPS>(y, x, qweight, nullptr, M, N, K, nullptr, nullptr, nullptr, fold_in, \
+                                        eps, w_scale);                                                      \
     }
 
 // One token tile in 80 registers: three blocks a SM, as the ring's shared memory allows (104 registers, two blocks,
-// without the cap); two tiles keep two blocks (the cap of three spills 188 bytes).
-FLLAMA_W8A16_GEMV(w8a16_gemv_mt1, 1, 3)
-FLLAMA_W8A16_GEMV(w8a16_gemv_mt2, 2, 2)
+// without the cap); two tiles keep two blocks (the cap of three spills 188 bytes). 4 warps: six blocks a SM, the
+// same warps and ring bytes.
+FLLAMA_W8A16_GEMV(w8a16_gemv_mt1, 1, 8, 3)
+FLLAMA_W8A16_GEMV(w8a16_gemv_mt2, 2, 8, 2)
+FLLAMA_W8A16_GEMV(w8a16_gemv_mt1_w4, 1, 4, 6)

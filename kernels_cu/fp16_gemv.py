@@ -117,9 +117,11 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, 
             norm_fold.check_in(fold_in, M, K)
             panels, tiles = gemv_grid(M, N)
             grid = (tiles, panels)  # a panel's token tiles side by side
-            fn = build.get_function("fp16_gemv.cu", f"w8a16_gemv_mt{token_tile(M)}", W8A16_SIGNATURE)
-            fn(grid, (GEMV_THREADS,), y, x, qweight, w_scale, M, N, K, *norm_fold.in_args(fold_in),
-               shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+            warps = w8a16_warps(M, K)
+            suffix = "" if warps == GEMV_THREADS // 32 else f"_w{warps}"
+            fn = build.get_function("fp16_gemv.cu", f"w8a16_gemv_mt{token_tile(M)}{suffix}", W8A16_SIGNATURE)
+            fn(grid, (32 * warps,), y, x, qweight, w_scale, M, N, K, *norm_fold.in_args(fold_in),
+               shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES * warps // (GEMV_THREADS // 32)))
             return y
         if fold_in is not None:
             raise ValueError(f"the deferred RMSNorm runs on the int8-weight GEMV only (M <= {max_m})")
@@ -130,6 +132,11 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, 
             wc = torch.mul(qweight[n0:n1], w_scale[n0:n1, None], out=w[:n1 - n0])  # [n1 - n0, K]
             y[:, n0:n1] = torch.matmul(x, wc.t())
     return y
+
+
+def w8a16_warps(m: int, k: int) -> int:
+    """Warps of the int8-weight GEMV's blocks: 4 for one token tile up to w8a16_four_warp_max_k, else 8."""
+    return 4 if token_tile(m) == 1 and k <= tuning.current().w8a16_four_warp_max_k else GEMV_THREADS // 32
 
 
 def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

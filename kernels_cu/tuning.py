@@ -212,6 +212,9 @@ class Tuning:
     # Up to this many rows the int8-weight GEMV: a panel's 16-row tiles read the weight from DRAM about once;
     # dequantizing the head for cuBLAS each step would move more bytes than it saves.
     w8a16_gemv_max_m: int = 64
+    # Up to this K, one token tile runs in 4-warp blocks (six a SM): at 8 warps a 2,048-k row is one 4-tile step a
+    # warp, so each block streams once and exits, and its relaunch and reduction leave the SM's ring idle (0: never).
+    w8a16_four_warp_max_k: int = 2048
 
     def __post_init__(self):
         if not 0 <= self.sample_cluster_blocks <= 16:  # H100 / H200's largest cluster

@@ -108,3 +108,15 @@ def test_prefill_sdpa_matches_reference_on_cpu(start, S):
     q = torch.randn(S, 6, 64, generator=g).half()
     torch.testing.assert_close(attention_prefill(q, k, v, 0, start), attention_prefill_ref(q, k, v, 0, start),
                                rtol=2e-3, atol=2e-3)
+
+
+def test_int8_head_warps():
+    """The int8 lm_head's blocks: 4 warps for one token tile up to w8a16_four_warp_max_k (Llama-3.2-1B's 2,048),
+    else 8; 0 turns the 4-warp entry off."""
+    from kernels_cu import tuning
+    from kernels_cu.fp16_gemv import w8a16_warps
+
+    assert [w8a16_warps(m, 2048) for m in (1, 8, 9, 64)] == [4, 4, 8, 8]
+    assert [w8a16_warps(1, k) for k in (576, 3072, 4096)] == [4, 8, 8]
+    with tuning.override(w8a16_four_warp_max_k=0):
+        assert w8a16_warps(1, 2048) == 8

@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="A/B pairs (rounds over all values with --values)")
+    ap.add_argument("--lm-head-int8", action="store_true", help="the int8 lm_head (EngineConfig.lm_head_int8)")
     ap.add_argument("--values", default=None,
                     help="sweep a number over these values (comma-separated; gains against the first)")
     args = ap.parse_args()
@@ -77,7 +78,8 @@ def main() -> None:
     what = f"{args.switch} = {args.values} (gain against the first)" if sweep else f"{args.switch} on / off"
     print(f"{torch.cuda.get_device_name(dev)} copy {bw / 1e12:.2f} TB/s; decode tok/s, {what}")
     for scheme in args.scheme.split(","):
-        base = Engine(random_weights(config, scheme, dev), EngineConfig(max_len=args.prompt_len + args.gen_len + 1))
+        base = Engine(random_weights(config, scheme, dev), EngineConfig(max_len=args.prompt_len + args.gen_len + 1,
+                                                                         lm_head_int8=args.lm_head_int8))
         for b in cfg.batches:
             engines = {v: base.variant(**{args.switch: v}) for v in values}
             runs = {v: [] for v in values}

@@ -8,8 +8,9 @@ from tests.gpu.conftest import GPU_STACK, SKIP_REASON, assert_equal, check_swigl
 if not GPU_STACK:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
+from kernels_cu import tuning  # noqa: E402
 from kernels_cu.fp16_gemv import (fp16_gemv, fp16_linear, fp16_linear_ref, fp16_swiglu, fp16_swiglu_ref,  # noqa: E402
-                                  w8a16_linear, w8a16_linear_ref)
+                                  w8a16_linear, w8a16_linear_ref, w8a16_warps)
 from kernels_cu.swiglu_layout import interleave_gate_up, swiglu_interleaved  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -113,7 +114,7 @@ def int8_head(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight_int8(w)
 
 
-@pytest.mark.parametrize("K,N", [(576, 49152), (4096, 32000), (8192, 1024), (64, 40)])
+@pytest.mark.parametrize("K,N", [(576, 49152), (2048, 8200), (4096, 32000), (8192, 1024), (64, 40)])
 @pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 32, 33, 64])
 def test_w8a16_gemv(M, K, N):
     """int8 codes with a scale per channel and fp16 activations, up to 64 rows on the GEMV: the float64 sums
@@ -126,6 +127,21 @@ def test_w8a16_gemv(M, K, N):
     assert w8a16_linear(x, q, s, out=y) is y
     check(y, w8a16_linear_ref(x, q, s), f"M={M} K={K} N={N}")
     assert_equal(w8a16_linear(x, q, s), y, f"M={M} K={K} N={N}: run to run")
+
+
+@pytest.mark.parametrize("K", [576, 2048, 3072])
+def test_w8a16_gemv_four_and_eight_warps(K):
+    """One token tile at short K runs 4-warp blocks (w8a16_warps); the 8-warp entry on the same shape is right
+    too, and each is the same bits run to run."""
+    q, s = int8_head(4104, K, seed=K)
+    x = randn(3, K, seed=K)
+    ref = w8a16_linear_ref(x, q, s)
+    for max_k in (K, 0):
+        with tuning.override(w8a16_four_warp_max_k=max_k):
+            assert w8a16_warps(3, K) == (4 if max_k else 8)
+            y = w8a16_linear(x, q, s)
+            check(y, ref, f"K={K} max_k={max_k}")
+            assert_equal(w8a16_linear(x, q, s), y, f"K={K} max_k={max_k}: run to run")
 
 
 def check_cublas(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
