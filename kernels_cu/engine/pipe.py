@@ -1,7 +1,8 @@
 """The engine's DecodePipe (model_zoo/decode_pipe.py): decode steps replayed ahead of the host.
 
 Each launch replays the sampled decode graph (which feeds its sampled ids back as the next step's inputs and
-advances the lengths of the rows that decoded), then copies the ids into a pinned host slot and records an event;
+advances the lengths of the rows that decoded), then has a kernel store the ids into a pinned host slot (publish.cu:
+a copy-engine transfer of those few bytes would hold the stream longer) and records an event;
 the host reads a step only when it needs it. Nothing in a launch waits for the device: joins and leaves travel in
 a pinned control slot copied asynchronously, and the host keeps its own copy of each row's length for the
 capacity check. A cache of bucket B decodes as the smallest bucket covering rows 0..max(joined row): its leading
@@ -19,6 +20,7 @@ from kernels_cu.engine.cache import GpuCache
 from kernels_cu.engine.config import bucket_of
 from kernels_cu.engine.graphs import api
 from kernels_cu.engine.sampler import GpuRowSampler
+from kernels_cu.publish import publish_ids
 from kernels_cu.sampling import GpuSampler
 from kernels_cu.tuning import Tuning
 from model_zoo.decode_pipe import check_room
@@ -130,7 +132,7 @@ class EnginePipe:
             if graph is None:
                 graph = view.graphs["sampled"] = self.capture(view, sampler)
             graph[0].replay()
-            self._host[slot, :m].copy_(graph[1], non_blocking=True)
+            publish_ids(self._host[slot, :m], graph[1])  # a kernel's stores, not a copy-engine transfer
             event = torch.cuda.Event()
             event.record(build.torch_stream())
         for r in rows:
