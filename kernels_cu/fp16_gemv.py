@@ -22,7 +22,8 @@ import torch
 
 from kernels_cu import build, norm_fold, tuning
 from kernels_cu.checks import check_multiple, check_tensor, out_or_new
-from kernels_cu.gemm_shapes import GEMV_RING_BYTES, GEMV_THREADS, gemv_grid, gemv_shared, token_tile
+from kernels_cu.gemm_shapes import (GEMV_RING_BYTES, GEMV_THREADS, GEMV_WARPS, gemv_grid, gemv_ring_bytes,
+                                    gemv_shared, token_tile)
 from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.silu_mul import silu_mul_interleaved
 from kernels_cu.swiglu_layout import swiglu_interleaved
@@ -118,10 +119,10 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, 
             panels, tiles = gemv_grid(M, N)
             grid = (tiles, panels)  # a panel's token tiles side by side
             warps = w8a16_warps(M, K)
-            suffix = "" if warps == GEMV_THREADS // 32 else f"_w{warps}"
+            suffix = "" if warps == GEMV_WARPS else f"_w{warps}"
             fn = build.get_function("fp16_gemv.cu", f"w8a16_gemv_mt{token_tile(M)}{suffix}", W8A16_SIGNATURE)
             fn(grid, (32 * warps,), y, x, qweight, w_scale, M, N, K, *norm_fold.in_args(fold_in),
-               shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES * warps // (GEMV_THREADS // 32)))
+               shared=gemv_shared(grid[0] * grid[1], gemv_ring_bytes(warps)))
             return y
         if fold_in is not None:
             raise ValueError(f"the deferred RMSNorm runs on the int8-weight GEMV only (M <= {max_m})")
@@ -136,7 +137,7 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, 
 
 def w8a16_warps(m: int, k: int) -> int:
     """Warps of the int8-weight GEMV's blocks: 4 for one token tile up to w8a16_four_warp_max_k, else 8."""
-    return 4 if token_tile(m) == 1 and k <= tuning.current().w8a16_four_warp_max_k else GEMV_THREADS // 32
+    return 4 if token_tile(m) == 1 and k <= tuning.current().w8a16_four_warp_max_k else GEMV_WARPS
 
 
 def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

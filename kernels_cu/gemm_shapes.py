@@ -14,10 +14,18 @@ import torch
 # --- int8 / fp16 GEMV (int8_gemm.cu, fp16_gemv.cu): 16 output channels per 256-thread block
 GEMV_ROWS = 16
 GEMV_THREADS = 256
-# The main loop's ring of weight lines in dynamic shared memory (gemm_common.cuh gemv_ring_bytes: 8 warps x 2
-# stages x 16 rows x 4 tiles of 64 bytes); the int8 XQ entries put their quantized rows before it.
+GEMV_WARPS = GEMV_THREADS // 32
 GEMV_STAGES = 2
-GEMV_RING_BYTES = (GEMV_THREADS // 32) * GEMV_STAGES * GEMV_ROWS * 4 * 64
+
+
+def gemv_ring_bytes(warps: int) -> int:
+    """The main loop's ring of weight lines in dynamic shared memory for a block of `warps` warps (gemm_common.cuh
+    gemv_ring_bytes: warps x 2 stages x 16 rows x 4 tiles of 64 bytes)."""
+    return warps * GEMV_STAGES * GEMV_ROWS * 4 * 64
+
+
+# the 8-warp blocks' ring; the int8 XQ entries put their quantized rows before it
+GEMV_RING_BYTES = gemv_ring_bytes(GEMV_WARPS)
 
 
 def gemv_shared(blocks: int, need: int, device_index: int | None = None) -> int:

@@ -1,4 +1,4 @@
-"""What a decode step costs around its kernels: graph boundaries, the sampler, the pipe's host copy.
+"""What a decode step costs around its kernels: graph boundaries, the sampler, the pipe's hand-off of the ids.
 
     python -m kernels_cu.lab.step_graphs --model llama3.2-1b --scheme awq --lm-head-int8 --steps 256
 
@@ -77,7 +77,8 @@ def main() -> None:
     for s in (1, 2, 4):
         g = one if s == 1 else capture_steps(engine, cache, sampler.gpu, s)[0]
         cache.lengths.fill_(PROMPT)
-        results[f"graph of {s} step(s)"] = per_step_us(lambda: replay(engine, g, args.steps // s), args.steps, args.rounds)
+        n = args.steps // s  # replays: n * s steps
+        results[f"graph of {s} step(s)"] = per_step_us(lambda: replay(engine, g, n), n * s, args.rounds)
     cache.lengths.fill_(PROMPT)
     engine.forward(torch.zeros(1, 1, dtype=torch.long), cache)  # the logits-only graph (captured on first use)
     lg = cache.graphs["logits"][0]
