@@ -3,6 +3,7 @@
 import math
 import os
 
+import pytest
 import torch
 
 from kernels_cu.lab import attention_probe as ap
@@ -33,4 +34,12 @@ def test_phase_times_are_relative_to_the_first_entry_and_skip_missing_phases():
 
 def test_importing_the_probe_sets_no_compiler_flag():
     """Only main() adds -DFLLAMA_ATTN_PROBE: an import (this test process) must not change what build.py compiles."""
+    assert ap.PROBE_FLAG not in os.environ.get("FLLAMA_NVCC_FLAGS", "")
+
+
+@pytest.mark.parametrize("off", ["attention_splits", "awq_gemv_max_m"])
+def test_off_takes_only_a_tuning_boolean(off):
+    """--off names a Tuning boolean; anything else stops in one line, before the compiler flag is set."""
+    with pytest.raises(SystemExit, match="Tuning boolean"):
+        ap.main(["--off", off])
     assert ap.PROBE_FLAG not in os.environ.get("FLLAMA_NVCC_FLAGS", "")

@@ -8,6 +8,7 @@ attention at batch 1 (`--model`, default LLaMA-2-7B; RoPE mode, as the engine ca
     warm    the same launch repeated at once (K/V in L2)
     engine  the engine's decode graph (a few layers, programmatic launch on): the last layer's attention,
             started while its q|k|v GEMV is still running, so phase 0 -> 1 includes waiting for that GEMV
+`--off FIELD` probes each engine scheme again with that Tuning boolean off; `--no-standalone` skips the first two.
 """
 
 from __future__ import annotations
@@ -118,15 +119,17 @@ def standalone(model: str, ctx: int, cap: int, launches: int) -> None:
         summarize(f"stand-alone {name}, {model} H={H} Hkv={Hkv}, batch 1, ctx {ctx}", runs)
 
 
-def engine_run(model: str, scheme: str, ctx: int, layers: int, steps: int) -> None:
+def engine_run(model: str, scheme: str, ctx: int, layers: int, steps: int, off: str | None = None) -> None:
     from kernels_cu.bench import random_weights
     from kernels_cu.engine import Engine, EngineConfig
+    from kernels_cu.tuning import DEFAULT
     from model_zoo.config import LlamaConfig
     from model_zoo.sampling import SamplingConfig
 
     dev = torch.device("cuda")
     config = dataclasses.replace(LlamaConfig.from_name(model), n_layers=layers)
-    engine = Engine(random_weights(config, scheme, dev), EngineConfig(max_len=ctx + steps + 64))
+    t = DEFAULT if off is None else dataclasses.replace(DEFAULT, **{off: False})
+    engine = Engine(random_weights(config, scheme, dev), EngineConfig(max_len=ctx + steps + 64), t)
     sampler = engine.make_sampler(SamplingConfig(temperature=0), 1)
     cache = engine.new_cache(1, ctx + steps + 64)
     cache.lengths.fill_(ctx)
@@ -138,7 +141,8 @@ def engine_run(model: str, scheme: str, ctx: int, layers: int, steps: int) -> No
         clear_probe(bufs)
         engine.replay_steps(cache, 1)
         runs.append(phase_times(read_probe(bufs)))
-    summarize(f"engine {model} {scheme}, batch 1, ctx ~{ctx}, layer {layers - 1} of a {layers}-layer graph", runs)
+    summarize(f"engine {model} {scheme}{f' {off} off' if off else ''}, batch 1, ctx ~{ctx}, layer {layers - 1} of a "
+              f"{layers}-layer graph", runs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,7 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--launches", type=int, default=30)
     ap.add_argument("--engine", default="fp16,awq", help="schemes to probe inside the engine ('' for none)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--off", default=None, help="also probe each engine scheme with this Tuning boolean off")
+    ap.add_argument("--no-standalone", action="store_true", help="only the engine runs")
     args = ap.parse_args(argv)
+    from kernels_cu.tuning import DEFAULT
+
+    if args.off is not None and not isinstance(getattr(DEFAULT, args.off, None), bool):
+        raise SystemExit(f"--off takes a Tuning boolean (attention_clusters, fold_int8, ...), not {args.off!r}")
     # the flag must be in place before build.py is first imported (it reads FLLAMA_NVCC_FLAGS once)
     os.environ["FLLAMA_NVCC_FLAGS"] = (os.environ.get("FLLAMA_NVCC_FLAGS", "") + " " + PROBE_FLAG).strip()
     from kernels_cu import build
@@ -158,9 +168,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("kernels_cu.build was imported before the probe flag was set: run this as its own process")
     build.require_cuda()
     print(torch.cuda.get_device_name())
-    standalone(args.model, args.ctx, max(args.cap, args.ctx + 1), args.launches)
+    if not args.no_standalone:
+        standalone(args.model, args.ctx, max(args.cap, args.ctx + 1), args.launches)
     for scheme in (s for s in args.engine.split(",") if s):
         engine_run(args.model, scheme, args.ctx, args.layers, args.launches)
+        if args.off:
+            engine_run(args.model, scheme, args.ctx, args.layers, args.launches, args.off)
 
 
 if __name__ == "__main__":
