@@ -317,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // kernels_cu.lab.attention_probe. Phases: 0 entry, 1 split known, 2 stage copies issued, 3 first stage landed,
 // 4 main loop done, 5 partial written, 6 first cluster barrier passed, 7 exit; 8: the two-pass combine's weights
 // ready (its first pass); 9 the warps' partials stored for the merge, 10 the push's cluster wait passed, 11 block 0's
-// combine done (push, two-pass).
+// combine done (push, two-pass), 12 the PDL wait passed (RoPE mode), 13 the query rotated (before the new k / v store).
 #ifdef FLLAMA_ATTN_PROBE
 __device__ unsigned long long fllama_attn_probe[8192][16];
 __device__ __forceinline__ void attn_stamp(int phase) {
@@ -697,6 +697,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         // in a later stage, copied after its store), so they go out before the PDL wait and stream while the q|k|v
         // GEMV finishes; the query, the new k and v and everything this kernel writes come after the wait.
         if (qkv != nullptr) pdl_enter_attention(rows);
+        attn_stamp(12);
         // the query heads as the B operand, in the k order the K fragments come in (raw in RoPE mode, rotated
         // once the stage-0 copies are issued)
         uint32_t qb[MT][2], qp[MT][2];
@@ -737,6 +738,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads 2t, 2t + 1
 
         if (qkv != nullptr) rope_query<D, KV8>(qb, qp, cs4, rot_ok, ph, lane);
+        attn_stamp(13);
         if (new_kv && warp == 0) store_kv();  // before the loop's first barrier, which orders p's stage row
         attn_stamp(2);
         if (push) cluster_wait_acquire();  // block 0 has started and set up s_push (long since): under the copies

@@ -27,8 +27,9 @@
 // The deferred RMSNorm (norm_fold.cuh), chosen at run time by non-null pointers: fold_w (EPI 1 only) makes
 // this GEMV a producer (also xg = fp16(h * fold_w) and the panel's sum of h^2); fold_in a consumer (x is xg,
 // each token's sums scaled by its rstd before rounding).
+// res_early (EPI 1, one token tile): the residual is read before the PDL wait (its writer is two kernels back).
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
-//   fold_xg, fold_part, fold_in, eps), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w16 /
+//   fold_xg, fold_part, fold_in, eps, res_early), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w16 /
 //   *_w8 / *_w2 / *_w1 the same with block 512 / 256 / 64 / 32.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
@@ -49,7 +50,7 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
                                          const __half* __restrict__ residual, int M, int N, int K, int tiles,
                                          const __half* __restrict__ fold_w, __half* __restrict__ fold_xg,
                                          float* __restrict__ fold_part, const float* __restrict__ fold_in,
-                                         float eps) {
+                                         float eps, int res_early) {
     constexpr int MPG = 8 / GPT;  // mma per group
     constexpr int UPG = 4 / GPT;  // 16-byte activation loads per group-run
     constexpr int GS = TILE_K / GPT;
@@ -200,6 +201,29 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[panel * 16 + g], fold_w[panel * 16 + g + 8]);
     if (full_steps > 0) load_w(false, 0, wq, tq, sa);
     else load_w(true, 0, wq, tq, sa);
+    // The residual this thread adds in its epilogue rows (r = warp + i RSTEP, i < RPT), read before the wait where
+    // the caller says its writer had completed before the kernel ahead of this one passed its wait (res_early): the
+    // tail then waits for no L2 round trip. ld.cg, so no line an earlier kernel left in this SM's L1 is read. One
+    // token tile only: the wider entries are at their register budget.
+    constexpr int RSTEP = W < 4 ? W : 4, RPT = W >= 4 ? 1 : 4 / W;
+    const bool early = EPI == 1 && MT == 1 && res_early != 0;
+    __half2 rp[RPT][MT];
+    if (early) {
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            const int r = warp + i * RSTEP;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const int m = m0 + mt * 8 + 2 * (lane & 3) + (r & 1);
+                const size_t o = (size_t)m * N + panel * 16 + (lane >> 2);
+                const bool fold = fold_w != nullptr;
+                const bool ok = r < 4 && m < M && (!fold || r < 2);
+                const size_t o_lo = fold ? o : o + (r >= 2 ? 8 : 0);
+                rp[i][mt] = ok ? __halves2half2(__ldcg(residual + o_lo), fold ? __ldcg(residual + o + 8) : __half())
+                               : __float2half2_rn(0.0f);
+            }
+        }
+    }
     pdl_wait();
     pdl_gemv_started(M);
     if (fold_in != nullptr) fold_prefetch<W>(fold_in, m0, rows, K / 16);  // L1 by the tail
@@ -234,13 +258,18 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
         for (int w = 0; w < W; ++w) sum += red[w][mt][rr][l];
         return sum;
     };
-    auto epilogue = [&](int r) {
+    auto epilogue = [&](int r, int i) {
         if (EPI == 1 && fold_w != nullptr) {  // producer: rows r and r + 2 (channels g, g + 8) of a token
             if (r >= 2) return;                // warp-uniform
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                fold_store(y, fold_xg, fold_part, residual, nw, red_sum(mt, r), red_sum(mt, r + 2),
-                           m0 + mt * 8 + 2 * (l & 3) + (r & 1), M, N, panel * 16 + (l >> 2), panel);
+            for (int mt = 0; mt < MT; ++mt) {
+                if (early)
+                    fold_store_res(y, fold_xg, fold_part, rp[i][mt], nw, red_sum(mt, r), red_sum(mt, r + 2),
+                                   m0 + mt * 8 + 2 * (l & 3) + (r & 1), M, N, panel * 16 + (l >> 2), panel);
+                else
+                    fold_store(y, fold_xg, fold_part, residual, nw, red_sum(mt, r), red_sum(mt, r + 2),
+                               m0 + mt * 8 + 2 * (l & 3) + (r & 1), M, N, panel * 16 + (l >> 2), panel);
+            }
             return;
         }
 #pragma unroll
@@ -259,12 +288,13 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
                 const int n = panel * 16 + (l >> 2) + (r >= 2 ? 8 : 0);
                 const size_t o = (size_t)m * N + n;
                 const __half h = __float2half_rn(total(r));
-                y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;
+                y[o] = EPI == 1 ? __hadd_rn(h, early ? __low2half(rp[i][mt]) : residual[o]) : h;
             }
         }
     };
 #pragma unroll
-    for (int r = warp; r < 4; r += W < 4 ? W : 4) epilogue(r);
+    for (int i = 0; i < RPT; ++i)
+        if (warp + i * RSTEP < 4) epilogue(warp + i * RSTEP, i);
 }
 
 // w_hat [N, K] = fp16((q - z) * s): one thread per 16 bytes of w_hat (8 consecutive k of one channel, which
@@ -301,14 +331,14 @@ __device__ __forceinline__ void awq_packed_dequant(__half* __restrict__ w_hat, c
 
 // (y fp16, x fp16 [M,K], packed u32 [N/16, tiles, 256], terms u32 [N/16, tiles * GPT, 8, 2],
 //  residual fp16 [M,N] or null, int M, int N, int K, int tiles, fold_w fp16 [N] or null, fold_xg fp16 [M,N],
-//  fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
+//  fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps, int res_early)
 #define FLLAMA_AWQ_GEMV_W(MT, GPT, EPI, U, W, BLOCKS, NAME)                                                \
     extern "C" __global__ void __launch_bounds__(32 * W, BLOCKS) awq_gemv_mt##MT##_g##GPT##_##NAME(        \
         __half* y, const __half* x, const uint32_t* packed, const uint32_t* terms, const __half* residual,  \
         int M, int N, int K, int tiles, const __half* fold_w, __half* fold_xg, float* fold_part,            \
-        const float* fold_in, float eps) {                                                                  \
+        const float* fold_in, float eps, int res_early) {                                                   \
         awq_gemv<MT, GPT, EPI, U, W>(y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg,        \
-                                     fold_part, fold_in, eps);                                              \
+                                     fold_part, fold_in, eps, res_early);                                   \
     }
 #define FLLAMA_AWQ_GEMV(MT, GPT, EPI, U, BLOCKS, NAME) FLLAMA_AWQ_GEMV_W(MT, GPT, EPI, U, 4, BLOCKS, NAME)
 #define FLLAMA_AWQ_GEMV_EPIS(MT, GPT, U, BLOCKS)                                                 \

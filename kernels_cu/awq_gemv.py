@@ -21,26 +21,30 @@ from kernels_cu.norm_fold import FoldIn, FoldOut
 from kernels_cu.swiglu_layout import swiglu_interleaved
 
 THREADS = 128
-# y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps
-SIGNATURE = "PPPPPiiiiPPPPf"
+# y, x, packed, terms, residual, M, N, K, tiles, fold_w, fold_xg, fold_part, fold_in, eps, res_early
+SIGNATURE = "PPPPPiiiiPPPPfi"
 GEMV_TILES_PER_STEP = 2  # U of awq_gemv.cu's one-row-tile entries with groups of 128: a warp's tiles a step
 
 
 def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
-               fold_out: FoldOut | None = None) -> torch.Tensor:
+               fold_out: FoldOut | None = None, residual_settled: bool = False) -> torch.Tensor:
     """x fp16 [M, K] -> y fp16 [M, out_features]: the GEMV kernel up to awq_gemv_max_m rows (the batch GEMM from
     awq_batch_min_m where N % 64 == 0 and the work is large enough, its wgmma form from awq_wgmma_decode_min_m on
     Hopper with groups of 128 for wide outputs or more work: tuning.py), else
     the fused GEMM (awq_wgmma.py) where it runs, or w_hat + cuBLAS.
-    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), on the GEMV path only (`folds`)."""
+    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), on the GEMV path only (`folds`).
+    residual_settled: the residual's writer is at least two launches back on this stream, so it had completed
+    before the launch just ahead passed its PDL wait (a layer's residual stream): the GEMV reads it before its
+    own wait (common.cuh's rule: a kernel overlaps only the one before it). Not for a residual the previous
+    kernel wrote."""
     M = _check(x, p, residual)
     t = tuning.current()
     if fold_in is not None or fold_out is not None:
         if not folds(p, M):
             raise ValueError(f"the deferred RMSNorm runs on the AWQ GEMV only (M < {t.awq_batch_min_m}; with groups of "
                              f"32 k, M <= 8), got M = {M}, groups of {p.gs}")
-        return _gemv(x, p, residual, out, fold_in, fold_out)
+        return _gemv(x, p, residual, out, fold_in, fold_out, residual_settled)
     work = M * p.k * p.n
     wide = p.n >= t.awq_wgmma_decode_min_n or work >= t.awq_wgmma_decode_min_work
     if t.awq_wgmma_decode_min_m <= M <= t.awq_gemv_max_m and wide and awq_wgmma_decode.takes(x, p):
@@ -48,7 +52,7 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
     if t.awq_batch_min_m <= M <= t.awq_gemv_max_m and work >= t.awq_batch_min_work and awq_batch.takes(p.n):
         return awq_batch.launch(x, p, residual, out)
     if M <= t.awq_gemv_max_m:
-        return _gemv(x, p, residual, out)
+        return _gemv(x, p, residual, out, residual_settled=residual_settled)
     if t.awq_fused_prefill and awq_wgmma.takes(x, p):
         return awq_wgmma.launch(x, p, residual, out)
     # Elsewhere: w_hat, then fp16's cuBLAS path (residual in cuBLAS's epilogue, in place when out is the
@@ -62,10 +66,11 @@ def awq_linear(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = No
 
 def awq_gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None = None,
              out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
-             fold_out: FoldOut | None = None) -> torch.Tensor:
-    """The GEMV kernel for any M (it re-reads the weight once per 32 rows: meant for M <= 64)."""
+             fold_out: FoldOut | None = None, residual_settled: bool = False) -> torch.Tensor:
+    """The GEMV kernel for any M (it re-reads the weight once per 32 rows: meant for M <= 64); residual_settled as
+    awq_linear's."""
     _check(x, p, residual)
-    return _gemv(x, p, residual, out, fold_in, fold_out)
+    return _gemv(x, p, residual, out, fold_in, fold_out, residual_settled)
 
 
 def folds(p: AwqPacked, m: int) -> bool:
@@ -88,7 +93,8 @@ def awq_batch_gemm(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None 
 
 
 def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: torch.Tensor | None,
-          fold_in: FoldIn | None = None, fold_out: FoldOut | None = None) -> torch.Tensor:
+          fold_in: FoldIn | None = None, fold_out: FoldOut | None = None,
+          residual_settled: bool = False) -> torch.Tensor:
     M = x.shape[0]
     if fold_out is not None and residual is None:
         raise ValueError("a deferred-norm producer is the GEMV that adds the residual")
@@ -105,7 +111,7 @@ def _gemv(x: torch.Tensor, p: AwqPacked, residual: torch.Tensor | None, out: tor
         warps = gemv_warps(p.n // PANEL, sm_count(x.device.index), M, p.tiles) if mt == 1 and p.gpt == 1 else 4
         fn = build.get_function("awq_gemv.cu", name + ("" if warps == 4 else f"_w{warps}"), SIGNATURE)
         fn(gemv_grid(M, p.n), (32 * warps,), y, x, p.packed, p.terms, residual, M, p.n, p.k,
-           p.tiles, *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in))
+           p.tiles, *norm_fold.out_args(fold_out), *norm_fold.in_args(fold_in), int(residual_settled))
     return y
 
 

@@ -64,7 +64,7 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
                                           int M, int N, int K, const __half* __restrict__ fold_w,
                                           __half* __restrict__ fold_xg, float* __restrict__ fold_part,
                                           const float* __restrict__ fold_in, float eps,
-                                          const float* __restrict__ w_scale = nullptr) {
+                                          const float* __restrict__ w_scale = nullptr, int res_early = 0) {
     constexpr bool W8 = sizeof(WT) == 1;
     static_assert(!W8 || EPI == 0, "int8 weights: the plain epilogue (the lm_head)");
     static_assert(32 * WARPS >= MT * 128, "the epilogue takes a thread per (token tile, accumulator, lane)");
@@ -94,6 +94,19 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     // the producer's norm weight (channels g, g + 8) before the main loop: it does not wait for the previous kernel
     __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
     if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[n0 + g], fold_w[n0 + g + 8]);
+    // res_early: this epilogue thread's residual (channels n, n + 8 for a producer) before the main loop's PDL wait,
+    // as awq_gemv.cu reads it (ld.cg: its writer is two kernels back, settled in L2)
+    __half2 rp = __float2half2_rn(0.0f);
+    if (EPI == 1 && res_early != 0 && threadIdx.x < MT * 128) {
+        const int r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
+        const int m = m0 + (threadIdx.x >> 7) * 8 + 2 * (l & 3) + (r & 1);
+        const bool fold = fold_w != nullptr;
+        const int n = n0 + (l >> 2) + (!fold && r >= 2 ? 8 : 0);
+        if (m < M && n < N && (!fold || r < 2)) {
+            const size_t o = (size_t)m * N + n;
+            rp = __halves2half2(__ldcg(residual + o), fold ? __ldcg(residual + o + 8) : __half());
+        }
+    }
 
     if constexpr (W8) {
         gemv_mainloop<WARPS, UNROLL, TILE_K>(weight, n0, n0 + 8, N, gemv_ring, x_row, x_ok, K, LANE_K * t, warp, M,
@@ -125,7 +138,10 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
         return sum;
     };
     if (EPI == 1 && fold_w != nullptr) {  // producer: a thread takes rows r and r + 2 (channels g, g + 8) of a token
-        if (r < 2)                         // warp-uniform
+        if (r < 2 && res_early != 0)       // warp-uniform
+            fold_store_res(y, fold_xg, fold_part, rp, nw, red_sum(r), red_sum(r + 2), m, M, N, n0 + (l >> 2),
+                           blockIdx.x);
+        else if (r < 2)
             fold_store(y, fold_xg, fold_part, residual, nw, red_sum(r), red_sum(r + 2), m, M, N,
                        n0 + (l >> 2), blockIdx.x);
         return;
@@ -145,19 +161,23 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
         if constexpr (W8) sum *= w_scale[n];
         const size_t o = (size_t)m * N + n;
         const __half h = __float2half_rn(sum);
-        y[o] = EPI == 1 ? __hadd_rn(h, residual[o]) : h;  // fp16 add after rounding, like the reference
+        // fp16 add after rounding, like the reference
+        y[o] = EPI == 1 ? __hadd_rn(h, res_early != 0 ? __low2half(rp) : residual[o]) : h;
     }
 }
 
 }  // namespace
 
 // (y fp16 [M,N], x fp16 [M,K], weight fp16 [N,K], residual fp16 [M,N] or null, int M, int N, int K,
-//  fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps)
+//  fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_part f32 [M,N/16], fold_in f32 [M,K/16] or null, float eps,
+//  int res_early: the residual read before the PDL wait (its writer two kernels back: fp16_gemv.py)
 #define FLLAMA_FP16_GEMV(NAME, MT, EPI)                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                       \
         NAME(__half* y, const __half* x, const __half* weight, const __half* residual, int M, int N, int K,  \
-             const __half* fold_w, __half* fold_xg, float* fold_part, const float* fold_in, float eps) {     \
-        fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps);       \
+             const __half* fold_w, __half* fold_xg, float* fold_part, const float* fold_in, float eps,      \
+             int res_early) {                                                                               \
+        fp16_gemv<MT, EPI>(y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps,       \
+                           nullptr, res_early);                                                             \
     }
 
 FLLAMA_FP16_GEMV(fp16_gemv_mt1, 1, 0)

@@ -30,7 +30,7 @@ from kernels_cu.swiglu_layout import swiglu_interleaved
 
 DECODE_MAX_M = 16
 # y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps
-SIGNATURE = "PPPPiiiPPPPf"
+SIGNATURE = "PPPPiiiPPPPfi"
 W8A16_CHUNK_ROWS = 8192  # channels dequantized at a time above it (an fp16 chunk of 16 MB at K = 1,024)
 # y, x, qweight, w_scale, M, N, K, fold_in, eps
 W8A16_SIGNATURE = "PPPPiiiPf"
@@ -38,11 +38,13 @@ W8A16_SIGNATURE = "PPPPiiiPf"
 
 def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
-                fold_out: FoldOut | None = None) -> torch.Tensor:
+                fold_out: FoldOut | None = None, residual_settled: bool = False) -> torch.Tensor:
     """x fp16 [M, K], weight fp16 [N, K] -> y fp16 [M, N]: the GEMV kernel up to 16 rows, cuBLAS above.
-    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), GEMV rows only."""
+    fold_in / fold_out: the deferred RMSNorm (norm_fold.py), GEMV rows only. residual_settled: the residual's
+    writer is at least two launches back on this stream (common.cuh: a kernel overlaps only the one before it), so
+    the GEMV reads it before its PDL wait; never for a residual the previous kernel wrote."""
     if x.dim() == 2 and x.shape[0] <= DECODE_MAX_M:
-        return fp16_gemv(x, weight, residual, out, fold_in, fold_out)
+        return fp16_gemv(x, weight, residual, out, fold_in, fold_out, residual_settled)
     if fold_in is not None or fold_out is not None:
         raise ValueError(f"the deferred RMSNorm runs on the fp16 GEMV only (M <= {DECODE_MAX_M})")
     _check(x, weight, residual)
@@ -57,8 +59,9 @@ def fp16_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
 
 def fp16_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None,
               out: torch.Tensor | None = None, fold_in: FoldIn | None = None,
-              fold_out: FoldOut | None = None) -> torch.Tensor:
-    """The GEMV kernel for any M (it re-reads the weight once per 16 rows: meant for M <= 16)."""
+              fold_out: FoldOut | None = None, residual_settled: bool = False) -> torch.Tensor:
+    """The GEMV kernel for any M (it re-reads the weight once per 16 rows: meant for M <= 16); residual_settled as
+    fp16_linear's."""
     M, K, N = _check(x, weight, residual)
     if fold_out is not None and residual is None:
         raise ValueError("a deferred-norm producer is the GEMV that adds the residual")
@@ -67,7 +70,7 @@ def fp16_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | No
         if M == 0 or N == 0:
             return y
         res = "_res" if residual is not None else ""
-        _launch(f"fp16_gemv_mt{token_tile(M)}{res}", y, x, weight, residual, fold_in, fold_out)
+        _launch(f"fp16_gemv_mt{token_tile(M)}{res}", y, x, weight, residual, fold_in, fold_out, residual_settled)
     return y
 
 
@@ -87,7 +90,8 @@ def fp16_swiglu(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return y
 
 
-def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out: FoldOut | None) -> None:
+def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out: FoldOut | None,
+            residual_settled: bool = False) -> None:
     M, K = x.shape
     N = weight.shape[0]
     norm_fold.check_out(fold_out, M, N)
@@ -95,7 +99,7 @@ def _launch(name: str, y, x, weight, residual, fold_in: FoldIn | None, fold_out:
     fn = build.get_function("fp16_gemv.cu", name, SIGNATURE)
     grid = gemv_grid(M, N)
     fn(grid, (GEMV_THREADS,), y, x, weight, residual, M, N, K, *norm_fold.out_args(fold_out),
-       *norm_fold.in_args(fold_in), shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
+       *norm_fold.in_args(fold_in), int(residual_settled), shared=gemv_shared(grid[0] * grid[1], GEMV_RING_BYTES))
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor | None = None,

@@ -80,16 +80,17 @@ __device__ __forceinline__ void fold_rstd(float* s_rstd, const float* __restrict
 // plain residual epilogue writes it; then xg, and the panel's sum of squares from the lane with g = 0.
 // w: the norm weight of channels n, n + 8, loaded before the main loop (weights do not wait for the
 // previous kernel; loaded here they cost every block a round trip to L2 in its tail).
-__device__ __forceinline__ void fold_store(__half* __restrict__ y, __half* __restrict__ xg, float* __restrict__ part,
-                                           const __half* __restrict__ residual, __half2 w,
-                                           float s_lo, float s_hi, int m, int M, int N, int n, int panel) {
+// res: the residual of channels (n, n + 8), read by the caller (fold_store below reads it here).
+__device__ __forceinline__ void fold_store_res(__half* __restrict__ y, __half* __restrict__ xg,
+                                               float* __restrict__ part, __half2 res, __half2 w,
+                                               float s_lo, float s_hi, int m, int M, int N, int n, int panel) {
     float sq = 0.0f;
     if (m < M) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int c = n + 8 * h;
             const size_t o = (size_t)m * N + c;
-            const __half v = __hadd_rn(__float2half_rn(h ? s_hi : s_lo), residual[o]);
+            const __half v = __hadd_rn(__float2half_rn(h ? s_hi : s_lo), h ? __high2half(res) : __low2half(res));
             y[o] = v;
             xg[o] = __hmul_rn(v, h ? __high2half(w) : __low2half(w));
             const float f = __half2float(v);
@@ -100,6 +101,13 @@ __device__ __forceinline__ void fold_store(__half* __restrict__ y, __half* __res
     sq += __shfl_xor_sync(FULL_MASK, sq, 8);
     sq += __shfl_xor_sync(FULL_MASK, sq, 16);
     if ((threadIdx.x & 28) == 0 && m < M) part[(size_t)m * (N / 16) + panel] = sq;
+}
+__device__ __forceinline__ void fold_store(__half* __restrict__ y, __half* __restrict__ xg, float* __restrict__ part,
+                                           const __half* __restrict__ residual, __half2 w,
+                                           float s_lo, float s_hi, int m, int M, int N, int n, int panel) {
+    const size_t o = (size_t)m * N + n;
+    const __half2 res = m < M ? __halves2half2(residual[o], residual[o + 8]) : __float2half2_rn(0.0f);
+    fold_store_res(y, xg, part, res, w, s_lo, s_hi, m, M, N, n, panel);
 }
 
 }  // namespace fllama

@@ -32,6 +32,24 @@ def test_phase_times_are_relative_to_the_first_entry_and_skip_missing_phases():
     assert out[7][2] == 2 and math.isclose(out[7][1], 8.0)
 
 
+def test_role_times_split_each_unit_into_block_0_the_middle_and_the_new_token_block():
+    # 2 units of S = 4 blocks (grid (S, units): block u * S + split); unit 0 has 3 active blocks (copies issued,
+    # phase 2), unit 1 all 4; idle blocks stamp only their entry
+    rows = []
+    for u in range(2):
+        for split in range(4):
+            active = split < (3 if u == 0 else 4)
+            entry = 1_000 + 100 * u
+            rows.append([entry, entry + 500, entry + 2_000 + 300 * split] if active else [entry])
+    out = ap.role_times(stamps(rows), units=2)
+    assert len(out) == len(ap.PHASES)
+    block0, middle, new = out[2]
+    assert math.isclose(block0, 2.05)  # (2.0 + 2.1) / 2: the median of the units' block 0
+    assert math.isclose(new, (2.6 + 3.0) / 2)  # unit 0's split 2, unit 1's split 3
+    assert math.isclose(middle, (2.3 + 2.4) / 2)  # unit 0: split 1 alone; unit 1: splits 1-2 (2.4, 2.7), the lower
+    assert all(math.isnan(v) for v in out[5])  # a phase no block reached
+
+
 def test_importing_the_probe_sets_no_compiler_flag():
     """Only main() adds -DFLLAMA_ATTN_PROBE: an import (this test process) must not change what build.py compiles."""
     assert ap.PROBE_FLAG not in os.environ.get("FLLAMA_NVCC_FLAGS", "")

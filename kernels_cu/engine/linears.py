@@ -38,12 +38,15 @@ class Fp16Op:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, fold_in: FoldIn | None = None,
                  fold_out: FoldOut | None = None) -> torch.Tensor:
+        """residual: the layer's residual stream, whose writer (the o_proj / down_proj before, or the embedding) has
+        at least q|k|v and attention, or gate|up, launched after it: settled, so a GEMV reads it before its PDL
+        wait (AwqOp likewise)."""
         if self.swiglu:
             return fp16_swiglu(x, self.weight, fold_in=fold_in)
         # Beyond the GEMV's rows cuBLAS adds the residual in its epilogue only when writing over it (torch
         # copies it to a separate output first): the layer's residual stream is dead after this op.
         out = residual if residual is not None and x.shape[0] > DECODE_MAX_M else None
-        return fp16_linear(x, self.weight, residual, out, fold_in, fold_out)
+        return fp16_linear(x, self.weight, residual, out, fold_in, fold_out, residual_settled=True)
 
     def folds(self, m: int) -> bool:
         return m <= DECODE_MAX_M
@@ -72,7 +75,7 @@ class AwqOp:
             # Fp16Op: the layer's residual stream is dead after this op.
             big = x.shape[0] > tuning.current().awq_gemv_max_m
             out = residual if residual is not None and big else None
-            return awq_linear(x, self.packed, residual, out, fold_in, fold_out)
+            return awq_linear(x, self.packed, residual, out, fold_in, fold_out, residual_settled=True)
         if fold_in is not None or fold_out is not None:
             raise DeviceError("the deferred RMSNorm needs the AWQ GEMV layout")
         return awq_gemm(x, *self.awq, residual)

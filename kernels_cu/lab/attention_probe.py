@@ -8,7 +8,9 @@ attention at batch 1 (`--model`, default LLaMA-2-7B; RoPE mode, as the engine ca
     warm    the same launch repeated at once (K/V in L2)
     engine  the engine's decode graph (a few layers, programmatic launch on): the last layer's attention,
             started while its q|k|v GEMV is still running, so phase 0 -> 1 includes waiting for that GEMV
-`--off FIELD` probes each engine scheme again with that Tuning boolean off; `--no-standalone` skips the first two.
+The engine runs also print each phase by a unit's role: its block 0 (which combines), the middle blocks, and the
+last active block (which writes the new token's k / v). `--off FIELD` probes each engine scheme again with that
+Tuning boolean off; `--no-standalone` skips the first two.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 PROBE_FLAG = "-DFLLAMA_ATTN_PROBE"
 
 PHASES = ("entry", "split known", "copies issued", "stage 0 landed", "loop done", "partial written",
-          "cluster barrier", "exit", "combine weights", "merge stored", "cluster wait passed", "combined")
-SLOTS = 16  # u64 per block: 12 phases (8: the two-pass combine's weights, 11: block 0's combine), 3 unused, the SM
+          "cluster barrier", "exit", "combine weights", "merge stored", "cluster wait passed", "combined",
+          "wait passed", "query rotated")
+SLOTS = 16  # u64 per block: 14 phases (8: the two-pass combine's weights, 11: block 0's combine), 1 unused, the SM
+ROLES = ("block 0", "middle", "new token")  # a unit's first active block, the others' median, its last active one
 
 
 def probe_buffers() -> list[tuple[int, int]]:
@@ -78,13 +82,43 @@ def phase_times(stamps: torch.Tensor) -> list[tuple[float, float, int]]:
     return out
 
 
+def role_times(stamps: torch.Tensor, units: int) -> list[tuple[float, float, float]]:
+    """Per phase, the (block 0, middle, new-token block) times, medians over the units, in us after the first
+    entry. The grid is (S, units), so block u * S + split; a unit's active blocks are those that issued copies,
+    splits 0 .. n_act - 1, and the last of them holds the new token's position."""
+    t0 = stamps[:, 0][stamps[:, 0] > 0].min()
+    per_unit = stamps[: int((stamps[:, 0] > 0).sum())].view(units, -1, SLOTS)
+    rel = torch.where(per_unit > 0, (per_unit - t0).double() / 1e3, float("nan"))
+    out = []
+    for p in range(len(PHASES)):
+        roles: list[list[float]] = [[], [], []]
+        for u in range(units):
+            n_act = int((per_unit[u, :, 2] > 0).sum())
+            if n_act == 0:
+                continue
+            col = rel[u, :n_act, p]
+            roles[0].append(col[0].item())
+            roles[2].append(col[n_act - 1].item())
+            if n_act > 2:
+                roles[1].append(col[1:n_act - 1].nanmedian().item())
+        out.append(tuple(statistics.median(r) if r else float("nan") for r in roles))
+    return out
+
+
+def summarize_roles(runs: list[list[tuple[float, float, float]]]) -> None:
+    print(f"  by block ({' / '.join(ROLES)}; medians over units and launches; nan: not reached)")
+    for p, phase in enumerate(PHASES):
+        cells = [statistics.median(r[p][i] for r in runs) for i in range(len(ROLES))]
+        print(f"  {p:>2} {phase:<20}" + "".join(f"{c:9.2f}" for c in cells))
+
+
 def summarize(name: str, runs: list[list[tuple[float, float, int]]]) -> None:
     print(f"== {name} ({len(runs)} launches; us after the first block's entry: median block / last block)")
     for p, phase in enumerate(PHASES):
         med = statistics.median(r[p][0] for r in runs)
         last = statistics.median(r[p][1] for r in runs)
         n = runs[0][p][2]
-        print(f"  {p} {phase:<16} {med:8.2f} {last:8.2f}   ({n} blocks)")
+        print(f"  {p:>2} {phase:<20} {med:8.2f} {last:8.2f}   ({n} blocks)")
 
 
 def standalone(model: str, ctx: int, cap: int, launches: int) -> None:
@@ -120,6 +154,7 @@ def standalone(model: str, ctx: int, cap: int, launches: int) -> None:
 
 
 def engine_run(model: str, scheme: str, ctx: int, layers: int, steps: int, off: str | None = None) -> None:
+    from kernels_cu.attention_decode import SLOTS as HEAD_SLOTS
     from kernels_cu.bench import random_weights
     from kernels_cu.engine import Engine, EngineConfig
     from kernels_cu.tuning import DEFAULT
@@ -136,13 +171,18 @@ def engine_run(model: str, scheme: str, ctx: int, layers: int, steps: int, off: 
     engine.decode_sampled(torch.zeros(1, dtype=torch.long), cache, [0], sampler)
     engine.replay_steps(cache, 3)
     bufs = probe_buffers()
-    runs = []
+    # batch 1: a unit per kv head and group of HEAD_SLOTS query heads
+    units = config.n_kv_heads * -(-(config.n_heads // config.n_kv_heads) // HEAD_SLOTS)
+    runs, roles = [], []
     for _ in range(steps):
         clear_probe(bufs)
         engine.replay_steps(cache, 1)
-        runs.append(phase_times(read_probe(bufs)))
+        stamps = read_probe(bufs)
+        runs.append(phase_times(stamps))
+        roles.append(role_times(stamps, units))
     summarize(f"engine {model} {scheme}{f' {off} off' if off else ''}, batch 1, ctx ~{ctx}, layer {layers - 1} of a "
               f"{layers}-layer graph", runs)
+    summarize_roles(roles)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,6 +67,23 @@ def test_fused_residual(M):
     check_gemm(awq_linear(x, p, residual=res), awq_linear_ref(x, p, residual=res), f"residual M={M}")
 
 
+@pytest.mark.parametrize("K,N", [(2048, 2048), (8192, 2048), (4096, 4096), (1024, 12288), (1024, 17600),
+                                 (4096, 22016)])
+@pytest.mark.parametrize("M", [1, 3, 8, 12, 30])
+def test_settled_residual(M, K, N):
+    """residual_settled: one token tile's entries (16, 8, 4, 2 and 1 warps by the shape) read the residual before
+    their PDL wait, into their epilogue rows; the same bits as reading it in the epilogue. Wider tiles (12, 30
+    rows) ignore it."""
+    qweight, qzeros, scales = awq_tensors(K, N, 128, seed=M + K + N)
+    p = pack_for_gemv(qweight, qzeros, scales)
+    x, res = randn(M, K, seed=M), randn(M, N, seed=M + 1)
+    y = awq_gemv(x, p, residual=res)
+    check_gemm(y, awq_linear_ref(x, p, residual=res), f"M={M} K={K} N={N}")
+    early = torch.empty_like(y)
+    poison(early)
+    assert_equal(awq_gemv(x, p, residual=res, out=early, residual_settled=True), y, f"settled M={M} K={K} N={N}")
+
+
 @pytest.mark.parametrize("epi", ["plain", "res", "silu"])
 @pytest.mark.parametrize("K,N", [(4096, 4096), (11008, 4096), (2048, 2048), (8192, 2048), (4224, 2048),
                                  (4096, 12288), (4096, 22016), (2176, 17600)])

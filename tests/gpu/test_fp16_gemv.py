@@ -57,6 +57,19 @@ def test_fused_residual(M):
     check(fp16_linear(x, w, residual=r), fp16_linear_ref(x, w, residual=r), f"residual M={M}")
 
 
+@pytest.mark.parametrize("K,N", [(4096, 4096), (2048, 2048), (11008, 4096), (40, 37)])
+@pytest.mark.parametrize("M", [1, 7, 9, 16])
+def test_settled_residual(M, K, N):
+    """residual_settled: each epilogue thread reads its residual before the PDL wait; the same bits as reading it
+    in the epilogue (both token tiles, a ragged N)."""
+    x, w, r = randn(M, K, seed=M), randn(N, K, scale=0.05, seed=K + N), randn(M, N, seed=M + 9)
+    y = fp16_gemv(x, w, residual=r)
+    check(y, fp16_linear_ref(x, w, residual=r), f"residual M={M} K={K} N={N}")
+    early = torch.empty_like(y)
+    poison(early)
+    assert_equal(fp16_gemv(x, w, residual=r, out=early, residual_settled=True), y, f"settled M={M} K={K} N={N}")
+
+
 @pytest.mark.parametrize("M", [17, 32, 100])
 def test_cublas_residual_in_place(M):
     """The engine's form beyond 16 rows: out=residual (torch then skips copying the residual into a separate

@@ -85,8 +85,8 @@ def test_rejects_bad_inputs():
     ("int8_gemm.cu", "int8_gemv_mt1", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_res", "PPPiPPPPPPPiii"),
     ("int8_gemm.cu", "int8_gemv_mt2", "PPPiPPPPPPPiii"), ("int8_gemm.cu", "int8_gemv_mt1_silu", SILU_SIGNATURE),
     ("int8_gemm.cu", "int8_gemv_xq_res", XQ_SIGNATURE), ("int8_gemm.cu", "int8_gemv_xq1_res", XQ_SIGNATURE),
-    ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPf"),
-    ("fp16_gemv.cu", "fp16_gemv_mt2_res", "PPPPiiiPPPPf"), ("fp16_gemv.cu", "fp16_gemv_mt1_silu", "PPPPiiiPPPPf")])
+    ("fp16_gemv.cu", "fp16_gemv_mt1", "PPPPiiiPPPPfi"),
+    ("fp16_gemv.cu", "fp16_gemv_mt2_res", "PPPPiiiPPPPfi"), ("fp16_gemv.cu", "fp16_gemv_mt1_silu", "PPPPiiiPPPPfi")])
 def test_gemv_ring_residency(cu, name, sig):
     """gemv_shared's shared memory: a one-wave grid gets exactly two blocks per SM (never three, which leaves SMs
     idle), a longer grid the ring alone, and the registers leave room for two blocks either way."""

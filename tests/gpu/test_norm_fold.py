@@ -62,6 +62,11 @@ def test_fp16_producer(M, K, N):
     y = fp16_linear(x, W, residual=res, fold_out=fold)
     assert_equal(y, fp16_linear(x, W, residual=res), f"h M={M} K={K} N={N}")
     check_fold(fold, y, f"M={M} K={K} N={N}")
+    early = FoldOut.new(fold.w, M)  # the residual read before the PDL wait: the same bits
+    poison(early.xg, early.part)
+    assert_equal(fp16_linear(x, W, residual=res, fold_out=early, residual_settled=True), y, f"settled M={M} K={K}")
+    assert_equal(early.xg, fold.xg, f"settled xg M={M} K={K} N={N}")
+    assert_equal(early.part, fold.part, f"settled part M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("M", ROWS)
@@ -81,6 +86,12 @@ def test_awq_producer(M, K, N, G):
     y = awq_linear(x, p, residual=res, fold_out=fold)
     assert_equal(y, awq_linear(x, p, residual=res), f"h M={M} K={K} N={N}")
     check_fold(fold, y, f"M={M} K={K} N={N} G={G}")
+    # the residual read before the PDL wait (the engine's settled residual stream): the same bits
+    early = FoldOut.new(fold.w, M)
+    poison(early.xg, early.part)
+    assert_equal(awq_linear(x, p, residual=res, fold_out=early, residual_settled=True), y, f"settled M={M} K={K} N={N}")
+    assert_equal(early.xg, fold.xg, f"settled xg M={M} K={K} N={N}")
+    assert_equal(early.part, fold.part, f"settled part M={M} K={K} N={N}")
 
 
 @pytest.mark.parametrize("M", ROWS)
