@@ -128,7 +128,9 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int 
 def summarize(results: list[Result], wall: float, clients: int) -> dict:
     ok = [r for r in results if r.error is None and r.first is not None]
     ttft = [r.first - r.sent for r in ok]
-    tpot = [(r.chunks[-1] - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    # a request whose tokens all came in one chunk (the server was faster than the client's reads) shows no time
+    # between tokens: it counts for TTFT and throughput, not for TPOT
+    tpot = [(r.chunks[-1] - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1 and len(r.chunks) > 1]
     itl = [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]
     tokens = sum(r.tokens for r in ok)
     ms = lambda xs, p: round(percentile(xs, p) * 1e3, 2)  # noqa: E731
@@ -136,7 +138,7 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict:
     return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok),
             "first_error": next((r.error for r in results if r.error), None), "generated_tokens": tokens,
             "wall_s": round(wall, 3), "throughput_tok_s": round(tokens / wall, 1) if wall > 0 else 0.0,
-            "decode_tok_s": round(clients / mean_tpot, 1) if tpot else 0.0,
+            "decode_tok_s": round(clients / mean_tpot, 1) if tpot and mean_tpot > 0 else 0.0,
             **{f"ttft_p{p}_ms": ms(ttft, p) for p in (50, 90, 99)},
             **{f"tpot_p{p}_ms": ms(tpot, p) for p in (50, 90, 99)},
             **{f"itl_p{p}_ms": ms(itl, p) for p in (50, 90, 99)}}

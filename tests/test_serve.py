@@ -262,6 +262,17 @@ def test_the_load_test_runs_against_the_server(server):
     assert "TTFT" in render({"model": "tiny", "max_tokens": 6, "prompt_len": 8, **s})
 
 
+def test_load_summary_of_requests_streamed_in_one_chunk():
+    """A fast server can stream a request's tokens in one chunk: no time between tokens to count, no division."""
+    from tests.load_serve import Result, summarize
+
+    one = [Result(sent=1.0, first=1.01, chunks=[1.01], tokens=6) for _ in range(3)]
+    s = summarize(one, 0.05, 3)
+    assert s["generated_tokens"] == 18 and s["decode_tok_s"] == 0.0 and s["throughput_tok_s"] == 360.0
+    two = one + [Result(sent=1.0, first=1.01, chunks=[1.01, 1.06], tokens=6)]  # 5 tokens over 50 ms: 10 ms each
+    assert summarize(two, 0.1, 4)["decode_tok_s"] == 400.0
+
+
 def test_serve_command_errors_are_one_line(capsys, monkeypatch, tmp_path):
     import socket
 
