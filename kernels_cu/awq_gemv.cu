@@ -29,8 +29,8 @@
 // each token's sums scaled by its rstd before rounding).
 // res_early (EPI 1, one token tile): the residual is read before the PDL wait (its writer is two kernels back).
 // Entry points awq_gemv_mt{MT}_g{GPT}_{plain|res|silu}(y, x, packed, terms, residual, M, N, K, tiles, fold_w,
-//   fold_xg, fold_part, fold_in, eps, res_early), grid (N / 16, ceil(M / (8 * MT))), block 128; awq_gemv_mt1_g1_*_w16 /
-//   *_w8 / *_w2 / *_w1 the same with block 512 / 256 / 64 / 32.
+//   fold_xg, fold_part, fold_in, eps, res_early), grid (N / 16, ceil(M / (8 * MT))), block 128;
+//   awq_gemv_mt1_g1_*_w16 / *_w8 / *_w2 / *_w1 the same with block 512 / 256 / 64 / 32.
 // awq_packed_dequant: w_hat [N, K] fp16 = fp16((q - z) * s) from the same layout (prefill, then cuBLAS).
 #include "awq_layout.cuh"
 #include "common.cuh"
