@@ -29,7 +29,7 @@ from kernels_cu.silu_mul import silu_mul_interleaved
 from kernels_cu.swiglu_layout import swiglu_interleaved
 
 DECODE_MAX_M = 16
-# y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps
+# y, x, weight, residual, M, N, K, fold_w, fold_xg, fold_part, fold_in, eps, res_early
 SIGNATURE = "PPPPiiiPPPPfi"
 W8A16_CHUNK_ROWS = 8192  # channels dequantized at a time above it (an fp16 chunk of 16 MB at K = 1,024)
 # y, x, qweight, w_scale, M, N, K, fold_in, eps
