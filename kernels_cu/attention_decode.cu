@@ -54,8 +54,10 @@ __device__ __forceinline__ uint32_t scale2(uint32_t h2, float s) {
     const float2 f = __half22float2(bits_h2(h2));
     return h2_bits(__floats2half2_rn(f.x * s, f.y * s));
 }
-__device__ __forceinline__ float4 fma4(float a, float4 b, float4 c) {
-    return make_float4(__fmaf_rn(a, b.x, c.x), __fmaf_rn(a, b.y, c.y), __fmaf_rn(a, b.z, c.z), __fmaf_rn(a, b.w, c.w));
+// a x + y rounded once per element, for a float or a float4 of dims
+__device__ __forceinline__ float axpy(float a, float x, float y) { return __fmaf_rn(a, x, y); }
+__device__ __forceinline__ float4 axpy(float a, float4 x, float4 y) {
+    return make_float4(__fmaf_rn(a, x.x, y.x), __fmaf_rn(a, x.y, y.y), __fmaf_rn(a, x.z, y.z), __fmaf_rn(a, x.w, y.w));
 }
 __device__ __forceinline__ uint4 scale8(uint4 v, float s) {
     return make_uint4(scale2(v.x, s), scale2(v.y, s), scale2(v.z, s), scale2(v.w, s));
@@ -544,6 +546,25 @@ __device__ __forceinline__ void store_new_kv(Half8 lo, Half8 hi, const float* cs
     }
 }
 
+// The block's warps' partials of head slot h merged in warp order: m their max, l and O (at dim d: a float, or a
+// float4 of dims d .. d + 3) each rescaled by 2^(m_w - m). Push and pull mode share it, so their bits agree.
+template <int D, typename T>
+__device__ __forceinline__ T merge_warps(const float* wo, const float* wm, const float* wl, int h, int d, float& m,
+                                         float& l) {
+    m = -INFINITY;
+    l = 0.0f;
+    T acc{};
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const float f = exp2f(wm[w * SLOTS + h] - m);
+        l = __fmaf_rn(f, wl[w * SLOTS + h], l);
+        acc = axpy(f, *reinterpret_cast<const T*>(wo + (w * SLOTS + h) * D + d), acc);
+    }
+    return acc;
+}
+
 // CL push mode: each block's partial, its warps merged per 4-dim chunk of a head (a chunk a thread), goes into block
 // 0's shared memory by st.async (O as v4 into pushed [split - 1][slots][D], (m, l) as v2 into pml[split - 1][head]),
 // the stores completing their bytes on block 0's mbarrier `bar`. Block 0 keeps its own in registers, waits for the
@@ -558,16 +579,8 @@ __device__ __forceinline__ bool push_combine(const float* wo, const float* wm, c
     static_assert(CLUSTER_MAX == 16, "the butterfly below adds 16 lanes");
     for (int cq = threadIdx.x; cq < slots * D / 4; cq += THREADS) {
         const int h = 4 * cq / D, d = 4 * cq % D;
-        float m = -INFINITY, l = 0.0f;
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float f = exp2f(wm[w * SLOTS + h] - m);
-            l = __fmaf_rn(f, wl[w * SLOTS + h], l);
-            acc = fma4(f, *reinterpret_cast<const float4*>(wo + (w * SLOTS + h) * D + d), acc);
-        }
+        float m, l;
+        const float4 acc = merge_warps<D, float4>(wo, wm, wl, h, d, m, l);
         if (split > 0) {
             st_async_cluster4(pushed + ((split - 1) * slots + h) * D + d, 0, acc, bar);
             if (d == 0) st_async_cluster2(&pml[split - 1][h].x, 0, make_float2(m, l), bar);
@@ -584,13 +597,13 @@ __device__ __forceinline__ bool push_combine(const float* wo, const float* wm, c
         float v[CLUSTER_MAX];  // lane c's w_c l_c in the workspace path's warp_sum
         const float w0 = exp2f(m - M);
         v[0] = w0 * l;
-        float4 sum = fma4(w0, acc, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        float4 sum = axpy(w0, acc, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
 #pragma unroll
         for (int c = 1; c < CLUSTER_MAX; ++c) {
             const float wc = exp2f(ml[c - 1].x - M);
             v[c] = wc * ml[c - 1].y;
             const int src = min(c, n_act - 1) - 1;
-            sum = fma4(wc, *reinterpret_cast<const float4*>(pushed + (src * slots + h) * D + d), sum);
+            sum = axpy(wc, *reinterpret_cast<const float4*>(pushed + (src * slots + h) * D + d), sum);
         }
         // warp_sum over lanes 0..31, 16 and up holding 0: xor 16 adds zeros, then xor 8, 4, 2, 1 pair lanes so
         float a[8];
@@ -936,16 +949,7 @@ __device__ __forceinline__ void attn_fused(__half* __restrict__ out, int8_t* __r
         for (int e = tid; e < slots * D; e += THREADS) {
             const int h = e / D, d = e % D;
             float acc = 0.0f, l = 0.0f, m = -INFINITY;
-            if (len > 0) {
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) m = fmaxf(m, wm[w * SLOTS + h]);  // finite: warp 0 had a tile
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) {
-                    const float f = exp2f(wm[w * SLOTS + h] - m);
-                    l += f * wl[w * SLOTS + h];
-                    acc += f * wo[(w * SLOTS + h) * D + d];
-                }
-            }
+            if (len > 0) acc = merge_warps<D, float>(wo, wm, wl, h, d, m, l);
             if (n_act == 1) {
                 emit(h, d, __float2half_rn(len > 0 ? acc / l : 0.0f));  // an empty row attends to nothing
             } else if (CL) {

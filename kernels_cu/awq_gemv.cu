@@ -203,26 +203,19 @@ __device__ __forceinline__ void awq_gemv(__half* __restrict__ y, const __half* _
     else load_w(true, 0, wq, tq, sa);
     // The residual this thread adds in its epilogue rows (r = warp + i RSTEP, i < RPT), read before the wait where
     // the caller says its writer had completed before the kernel ahead of this one passed its wait (res_early): the
-    // tail then waits for no L2 round trip. ld.cg, so no line an earlier kernel left in this SM's L1 is read. One
-    // token tile only: the wider entries are at their register budget.
+    // tail then waits for no L2 round trip. One token tile only: the wider entries are at their register budget.
     constexpr int RSTEP = W < 4 ? W : 4, RPT = W >= 4 ? 1 : 4 / W;
     const bool early = EPI == 1 && MT == 1 && res_early != 0;
     __half2 rp[RPT][MT];
     if (early) {
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) {
-            const int r = warp + i * RSTEP;
+        for (int i = 0; i < RPT; ++i)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                const int m = m0 + mt * 8 + 2 * (lane & 3) + (r & 1);
-                const size_t o = (size_t)m * N + panel * 16 + (lane >> 2);
-                const bool fold = fold_w != nullptr;
-                const bool ok = r < 4 && m < M && (!fold || r < 2);
-                const size_t o_lo = fold ? o : o + (r >= 2 ? 8 : 0);
-                rp[i][mt] = ok ? __halves2half2(__ldcg(residual + o_lo), fold ? __ldcg(residual + o + 8) : __half())
-                               : __float2half2_rn(0.0f);
+                const int r = warp + i * RSTEP;
+                rp[i][mt] = residual_ahead(residual, fold_w != nullptr, r, m0 + mt * 8 + 2 * (lane & 3) + (r & 1), M,
+                                           N, panel * 16 + (lane >> 2));
             }
-        }
     }
     pdl_wait();
     pdl_gemv_started(M);

@@ -94,18 +94,12 @@ __device__ __forceinline__ void fp16_gemv(__half* __restrict__ y, const __half* 
     // the producer's norm weight (channels g, g + 8) before the main loop: it does not wait for the previous kernel
     __half2 nw = __float2half2_rn(0.0f);  // (channel g, channel g + 8)
     if (EPI == 1 && fold_w != nullptr) nw = __halves2half2(fold_w[n0 + g], fold_w[n0 + g + 8]);
-    // res_early: this epilogue thread's residual (channels n, n + 8 for a producer) before the main loop's PDL wait,
-    // as awq_gemv.cu reads it (ld.cg: its writer is two kernels back, settled in L2)
+    // res_early: this epilogue thread's residual before the main loop's PDL wait (norm_fold.cuh residual_ahead)
     __half2 rp = __float2half2_rn(0.0f);
     if (EPI == 1 && res_early != 0 && threadIdx.x < MT * 128) {
-        const int r = (threadIdx.x >> 5) & 3, l = threadIdx.x & 31;
-        const int m = m0 + (threadIdx.x >> 7) * 8 + 2 * (l & 3) + (r & 1);
-        const bool fold = fold_w != nullptr;
-        const int n = n0 + (l >> 2) + (!fold && r >= 2 ? 8 : 0);
-        if (m < M && n < N && (!fold || r < 2)) {
-            const size_t o = (size_t)m * N + n;
-            rp = __halves2half2(__ldcg(residual + o), fold ? __ldcg(residual + o + 8) : __half());
-        }
+        const int r = (threadIdx.x >> 5) & 3;
+        rp = residual_ahead(residual, fold_w != nullptr, r, m0 + (threadIdx.x >> 7) * 8 + 2 * (lane & 3) + (r & 1), M,
+                            N, n0 + (lane >> 2));
     }
 
     if constexpr (W8) {
