@@ -199,7 +199,7 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
                                           const float* __restrict__ part_in, int C, float* row_amax,
                                           const float* __restrict__ static_amax, const int8_t* __restrict__ qweight,
                                           const float* __restrict__ w_scale, const __half* residual,
-                                          Int8Fold fold, NormQ nq, int M, int N, int K) {
+                                          Int8Fold fold, NormQ nq, int M, int N, int K, int res_early = 0) {
     static_assert(!XQ || MT == 1, "the deferred quantization holds 8 token rows");
     __shared__ int red[WARPS][MT][4][32];
     __shared__ float s_inv[8], s_scale[8], s_red[8 * WARPS];
@@ -241,6 +241,13 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     const int n_epi = blockIdx.x * 16 + (lane >> 2) + ((warp & 2) ? 8 : 0);
     __half fold_w = __float2half_rn(0.0f);
     if (EPI == 1 && fold.xg != nullptr && warp < 4 * MT && n_epi < N) fold_w = fold.w[n_epi];
+    // res_early (one token tile): the epilogue thread's residual before the PDL wait, its writer settled (fp16_gemv.cu)
+    const bool early = EPI == 1 && MT == 1 && res_early != 0;
+    __half rp = __float2half_rn(0.0f);
+    if (early && warp < 4) {
+        const int m = m0 + 2 * (lane & 3) + (warp & 1);
+        if (m < M && n_epi < N) rp = __ldcg(residual + (size_t)m * N + n_epi);
+    }
 
     auto mma = [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
         mma_s8_16832(c, a0, a1, a2, a3, b0, b1);
@@ -302,7 +309,8 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     float sq = 0.0f, mx = 0.0f;
     if (n < N && m < M) {
         const size_t o = (size_t)m * N + n;
-        const __half h = int8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
+        const __half h = early ? __hadd_rn(int8_epilogue(red_sum(r), scale_of(m), w_scale[n], nullptr), rp)
+                               : int8_epilogue(red_sum(r), scale_of(m), w_scale[n], EPI == 1 ? residual + o : nullptr);
         y[o] = h;
         if (EPI == 1 && fold.xg != nullptr) fold8_values(fold, h, fold_w, o, sq, mx);
     }
@@ -364,17 +372,19 @@ FLLAMA_INT8_GEMV_SILU(int8_gemv_mt2_silu, 2)
 // Deferred-quantization entries: (y fp16 [M,N], x fp16 [M,K], part f32 [M,C] or null, int C, row_amax f32 [M] or
 //   null (the rows' max itself, read instead of part), static_amax f32 [1] (with both null), qweight, w_scale,
 //   residual or null, fold_w fp16 [N] or null, fold_xg fp16 [M,N], fold_sq
-//   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K);
+//   f32 [M,N/8], fold_mx f32 [M,N/8] (the next norm deferred, with the residual only), int M, int N, int K,
+//   int res_early (the residual read before the PDL wait, its writer two kernels back: int8_gemm.py));
 //   M <= 8 per grid row; dynamic shared memory: min(M, 8) * K bytes rounded up to 128, then the main loop's ring
 //   (gemm_shapes.gemv_xq_shared).
 #define FLLAMA_INT8_GEMV_XQ(NAME, EPI, MODE)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                                                 \
         NAME(__half* y, const __half* x, const float* part, int C, const float* row_amax,                             \
              const float* static_amax, const int8_t* qweight, const float* w_scale, const __half* residual,           \
-             const __half* fold_w, __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K) {            \
+             const __half* fold_w, __half* fold_xg, float* fold_sq, float* fold_mx, int M, int N, int K,              \
+             int res_early) {                                                                                         \
         int8_gemv<1, EPI, MODE>(y, nullptr, nullptr, nullptr, 0, x, part, C, const_cast<float*>(row_amax),            \
                                 static_amax, qweight, w_scale, residual,                                              \
-                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K);                       \
+                                Int8Fold{fold_w, fold_xg, fold_sq, fold_mx}, NormQ{}, M, N, K, res_early);            \
     }
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq, 0, XQ_PROLOGUE)
 FLLAMA_INT8_GEMV_XQ(int8_gemv_xq_res, 1, XQ_PROLOGUE)

@@ -37,7 +37,7 @@ DECODE_MAX_M = 16  # torch._int_mm refuses M <= 16; the GEMV kernel is the faste
 XQ_KERNEL_ROWS = 8  # rows the deferred-quantization GEMVs take (tuning.defer_quant_max_rows says how many run)
 NQ_SIGNATURE = "PPPPPPPfiPPPiii"  # int8_gemv_nq1[_silu]
 SILU_SIGNATURE = "PPPPPiPPiii"  # int8_gemv_mt{1,2}_silu
-XQ_SIGNATURE = "PPPiPPPPPPPPPiii"  # int8_gemv_xq[1][_res]
+XQ_SIGNATURE = "PPPiPPPPPPPPPiiii"  # int8_gemv_xq[1][_res]
 
 
 @dataclass(frozen=True)
@@ -133,10 +133,11 @@ def int8_swiglu_norm(nq: NormQuant, qweight: torch.Tensor, w_scale: torch.Tensor
 
 def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.Tensor,
                        residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       fold_out: FoldOut | None = None) -> torch.Tensor:
+                       fold_out: FoldOut | None = None, residual_settled: bool = False) -> torch.Tensor:
     """int8_gemm of an input whose quantization was deferred: the GEMV quantizes it (up to XQ_KERNEL_ROWS rows),
     the same bits as int8_gemm(*quantize(x)); more rows are quantized first. fold_out (with a residual): the next
-    RMSNorm deferred, its xg, sums and maxima written as well (as int8_gemm's)."""
+    RMSNorm deferred, its xg, sums and maxima written as well (as int8_gemm's). residual_settled: its writer is at
+    least two launches back, so the GEMV reads it before its PDL wait (awq_gemv.awq_linear's rule)."""
     x, part = xq.x, xq.part
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got {tuple(x.shape)}")
@@ -166,7 +167,7 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{'1' if row_loop else ''}{res}", XQ_SIGNATURE)
         fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1], row_amax,
            xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
-           shared=gemv_shared(cdiv(N, 16), GEMV_RING_BYTES if row_loop else gemv_xq_shared(M, K)))
+           int(residual_settled), shared=gemv_shared(cdiv(N, 16), GEMV_RING_BYTES if row_loop else gemv_xq_shared(M, K)))
     return y
 
 

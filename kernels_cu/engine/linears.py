@@ -104,7 +104,8 @@ class Int8Op:
                  residual: torch.Tensor | None = None, fold_in: FoldIn | None = None,
                  fold_out: FoldOut | None = None) -> torch.Tensor:
         """fold_out: the next RMSNorm deferred (a decode GEMV with a residual); a deferred RMSNorm before this op
-        arrives as a NormQuant (or quantized by quantize_fold), never as fold_in."""
+        arrives as a NormQuant (or quantized by quantize_fold), never as fold_in. residual: the layer's residual
+        stream, settled as Fp16Op's says."""
         if fold_in is not None:
             raise DeviceError("an int8 linear takes its deferred RMSNorm as a NormQuant or quantized")
         if isinstance(xq, NormQuant):
@@ -112,7 +113,8 @@ class Int8Op:
                 raise DeviceError("an int8 linear after a deferred norm takes no residual")
             return int8_gemm_norm(xq, self.qweight, self.w_scale)
         if isinstance(xq, DeferredQuant):
-            return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual, fold_out=fold_out)
+            return int8_gemm_deferred(xq, self.qweight, self.w_scale, residual, fold_out=fold_out,
+                                      residual_settled=True)
         return int8_gemm(xq[0], xq[1], self.qweight, self.w_scale, residual, fold_out=fold_out)
 
     def swiglu_deferred(self, xq: tuple[torch.Tensor, torch.Tensor] | NormQuant,

@@ -106,6 +106,29 @@ def test_one_row_quantized_in_the_loop_equals_the_prologue(K, N, residual):
         assert_equal(got[True][0], int8_gemm_ref(q, s, qweight, w_scale, residual=res), f"{what}: reference")
 
 
+@pytest.mark.parametrize("K,N", [(4096, 4096), (1040, 272), (4096, 40), (2048, 8200)])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_settled_residual(M, K, N):
+    """residual_settled: each epilogue thread reads its residual before the PDL wait; the same bits as reading it
+    after (y and the next norm's fold outputs), in the row loop and the prologue entries."""
+    x = randn(M, K, scale=2.0, seed=M + K)
+    qweight, w_scale = codes(N, K, seed=N), scales(N, seed=K) * 0.1
+    res = randn(M, N, seed=N + 3)
+    xq = DeferredQuant(x, chunk_maxima(x, 32))
+    for loop in ((True, False) if M == 1 else (False,)):
+        got = []
+        for settled in (False, True):
+            fold = FoldOut.new(norm_weight(N, 5), M, int8=True) if N % 64 == 0 else None
+            with tuning.override(xq_row_loop=loop):
+                y = int8_gemm_deferred(xq, qweight, w_scale, residual=res, fold_out=fold, residual_settled=settled)
+            got.append((y, fold))
+        what = f"M={M} K={K} N={N} loop={loop}"
+        assert_equal(got[1][0], got[0][0], what)
+        if fold is not None:
+            for name in ("xg", "mx", "part"):
+                assert_equal(getattr(got[1][1], name), getattr(got[0][1], name), f"{what}: fold {name}")
+
+
 def test_deferred_beyond_the_kernel_rows_quantizes_first():
     M, K, N = 12, 1024, 256
     x = randn(M, K, seed=9)
