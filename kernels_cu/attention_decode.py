@@ -1,4 +1,5 @@
-"""Decode attention over the KV cache (attention_decode.cu), flash-decoding style, and its torch reference.
+"""Decode attention over the KV cache (attention_fused.cu; attention_decode.cu), flash-decoding style, and its
+torch reference.
 
     q [B, H, D] fp16 (rotated), k_cache / v_cache [B, Hkv, L, D] fp16 -- or int8 / float8_e4m3fn codes with
     k_scale / v_scale fp32 [B, Hkv, L] (value = code * scale; kv_codes.py) -- lengths int32 [B] on the device
@@ -41,14 +42,14 @@ from kernels_cu.kv_codes import SUFFIX, KvKind, require_kind
 HEAD_DIMS = (64, 128)
 SLOTS = 8  # query heads per block
 
-# fused kernel geometry: mirrors fused::Geom in attention_decode.cu (the kernel traps on a mismatch)
+# fused kernel geometry: mirrors fused::Geom in attention_stage.cuh (the kernel traps on a mismatch)
 FUSED_WARPS = 4
 FUSED_THREADS = 32 * FUSED_WARPS
 FUSED_STAGE = 16 * FUSED_WARPS  # positions per pipeline stage
 FUSED_NBUF = 2  # stages resident in shared memory
 FUSED_PH_STRIDE = 24  # halves per head row of a warp's P tile
 MAX_SPLITS = 512
-CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (attention_decode.cu; non-portable above 8)
+CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (attention_fused.cu; non-portable above 8)
 COUNTER_POOL = "attention"
 SIGNATURE = "PPPPPPPPPPPPPPPPiiiiiif"  # the attn_fused_* entries
 FUSED_STATIC_SMEM = 1104  # bytes of static shared memory (ptxas; the most is the `_cl` entries' push table)
@@ -235,7 +236,7 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
     name, units = f"attn_fused_d{D}{SUFFIX[kind]}", B * Hkv * groups
     max_clusters = None
     if tuning.current().attention_clusters and units > 0 and build.has_clusters(q.device.index or 0):
-        fn_cl = build.get_function("attention_decode.cu", name + "_cl", SIGNATURE)
+        fn_cl = build.get_function("attention_fused.cu", name + "_cl", SIGNATURE)
         smem = fused_smem_bytes(D, kv8)
         max_clusters = lambda s: fn_cl.max_active_clusters((s, units), (FUSED_THREADS,), smem, (s, 1, 1))  # noqa: E731
     launch = fused_launch(L, B, Hkv, groups, D, kv8, sm_count(q.device.index), smem_per_sm(q.device.index), chunk,
@@ -255,7 +256,7 @@ def _launch_fused(q, k_cache, v_cache, lengths, k_scale, v_scale, out, chunk, qu
         if not launch.cluster:
             part_o = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)  # [B, H, S, D]
             part_ml = torch.empty((B, H, S, 2), dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
-        fn = build.get_function("attention_decode.cu", name + ("_cl" if launch.cluster else ""), SIGNATURE)
+        fn = build.get_function("attention_fused.cu", name + ("_cl" if launch.cluster else ""), SIGNATURE)
         fn((S, launch.units), (FUSED_THREADS,), out, q_out if quant else None, a_scale if quant else None,
            static_amax if quant else None, part, part_o, part_ml, counts, None if rope else q, q if rope else None,
            cos_sin, k_cache, v_cache, k_scale, v_scale, lengths, H, Hkv, L, S, launch.span_tiles,

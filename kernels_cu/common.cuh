@@ -120,7 +120,7 @@ __device__ __forceinline__ void quantize_store8(int8_t* p, const Half8& v, float
 
 // quantize.cu's rule for a row of max |x| amax: inv = 127 / amax quantizes it, scale = amax / 127 is its a_scale
 // (amax clamped first). Every dynamic or static int8 quantization calls this one expression: quantize.cu, rmsnorm.cu,
-// silu_mul.cu, rope.cuh's KV rows, attention_decode.cu's output, and the deferred ones (fold_scales, int8_gemm.cu's
+// silu_mul.cu, rope.cuh's KV rows, attention_fused.cu's output, and the deferred ones (fold_scales, int8_gemm.cu's
 // hooks).
 __device__ __forceinline__ void amax_scales(float amax, float& inv, float& scale) {
     amax = clamp_amax(amax);

@@ -1,5 +1,5 @@
 """Zeroed int32 counters for kernels whose last block to finish combines the others' partial results
-(threadFenceReduction: attention_decode.cu, awq_batch.cu, awq_wgmma_decode.cu). Each kernel family owns its own
+(threadFenceReduction: attention_fused.cu, awq_batch.cu, awq_wgmma_decode.cu). Each kernel family owns its own
 pool; a kernel leaves every counter it used at zero again, so one pool serves every later launch and every CUDA
 graph."""
 

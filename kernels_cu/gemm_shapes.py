@@ -52,7 +52,7 @@ AWQ_WARPS = 4
 AWQ_TILE_K = 16
 AWQ_BLOCKS_PER_SM = 2  # target resident blocks (registers allow 3 at MT=1, 2 at MT=2)
 
-# --- decode attention (attention_decode.cu)
+# --- decode attention (attention_fused.cu)
 ATTN_CHUNKS = (512, 256, 128, 64)  # chunk sizes tried, largest first (the kernel's CS_MAX is 512)
 ATTN_BLOCKS_PER_SM = 2
 

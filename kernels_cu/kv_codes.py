@@ -52,7 +52,7 @@ class KvKind(str, Enum):
 
 
 _DTYPES = {KvKind.FP16: torch.float16, KvKind.INT8: torch.int8, KvKind.FP8: torch.float8_e4m3fn}
-# the kernels' entry suffixes (attention_decode.cu; rope_kv.cu names its own)
+# the kernels' entry suffixes (attention_decode.cu, attention_fused.cu; rope_kv.cu names its own)
 SUFFIX = {KvKind.FP16: "", KvKind.INT8: "_kv8", KvKind.FP8: "_kvf8"}
 
 

@@ -1,5 +1,5 @@
 // RoPE arithmetic shared by rope_kv.cu and the fused decode attention
-// (attention_decode.cu, which rotates its own query heads and writes the new token's K/V).
+// (attention_fused.cu, which rotates its own query heads and writes the new token's K/V).
 //
 // Numerics are transformers' (non-interleaved, rotate_half): the fp32 cos/sin table row of the position is
 // rounded to fp16, then for each pair (x1, x2) = (dim i, dim i + d/2), i < d/2, with c = cos[i], s = sin[i]:

@@ -10,7 +10,7 @@
 // Numerics are transformers' (non-interleaved, rotate_half): cos/sin rounded to fp16, then
 // x*cos + rotate_half(x)*sin with every multiply and add rounded to fp16 (_rn: no FMA contraction). The
 // arithmetic and the cache store live in rope.cuh, shared with the decode attention's RoPE mode, which
-// does this kernel's work for one new token per row inside attention_decode.cu.
+// does this kernel's work for one new token per row inside attention_fused.cu.
 // A token whose position is outside [0, max_pos) gets q = 0 and no cache write; one outside the cache
 // (pos >= L or row outside [0, B)) gets its rotated q but no cache write.
 //

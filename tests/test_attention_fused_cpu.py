@@ -1,4 +1,4 @@
-"""CPU checks of the fused decode-attention kernel's index algebra (attention_decode.cu, namespace fused).
+"""CPU checks of the fused decode-attention kernel's index algebra (attention_fused.cu and its headers, namespace fused).
 
 Three things the GPU tests cannot pin down on their own, emulated here without a GPU:
 - the run-time split of a row's tiles over the blocks of a unit covers every position exactly once, with
@@ -318,7 +318,7 @@ def test_new_token_is_in_the_last_stage_of_the_last_block(L, S, span):
 
 
 def rope_query_lanes(x: np.ndarray, cs_row: np.ndarray, kv8: bool) -> np.ndarray:
-    """attention_decode.cu's rope_query for one head group: x fp16 [8, D] raw query heads (head g in lane group
+    """attention_rope.cuh's rope_query for one head group: x fp16 [8, D] raw query heads (head g in lane group
     g), cs_row fp32 [D] -> the rotated heads [8, D] as the lanes hold them afterwards."""
     D = x.shape[1]
     MT = D // 16
@@ -371,7 +371,7 @@ def test_fused_entries_compile_without_spills(tmp_path):
     launcher budgets for (occupancy and hence the split count depend on it)."""
     cmd = [build.find_nvcc(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *build.BASE_OPTIONS, "-Xptxas",
            "-v", f"-I{build.KERNEL_DIR}", "-o", str(tmp_path / "a.cubin"),
-           str(build.KERNEL_DIR / "attention_decode.cu")]
+           str(build.KERNEL_DIR / "attention_fused.cu")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     report = {}

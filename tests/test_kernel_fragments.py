@@ -275,7 +275,7 @@ def test_gemv_tile(kind):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_attention_fragments(D):
-    """attention_decode.cu: scores S = K Q^T for 16 positions x 8 heads, then O^T = V^T P^T."""
+    """attention_decode.cu / attention_stage.cuh: scores S = K Q^T for 16 positions x 8 heads, then O^T = V^T P^T."""
     Kc = RNG.standard_normal((16, D)).astype(np.float16)
     Q = RNG.standard_normal((8, D)).astype(np.float16)
     kbuf, qbuf = Kc.view(np.uint8).reshape(-1), Q.view(np.uint8).reshape(-1)

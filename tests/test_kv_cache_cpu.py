@@ -116,8 +116,8 @@ def test_kinds_bytes_and_kernel_entries():
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         KvKind.of(torch.empty(0, dtype=torch.bfloat16))
     for src, names in (("rope_kv.cu", ENTRIES.values()),
-                       ("attention_decode.cu", [f"attn_{p}_d{d}{SUFFIX[k]}" for p in ("decode", "fused")
-                                                for d in (64, 128) for k in KvKind])):
+                       *((f"attention_{p}.cu", [f"attn_{p}_d{d}{SUFFIX[k]}" for d in (64, 128) for k in KvKind])
+                         for p in ("decode", "fused"))):
         text = (KERNELS / src).read_text()
         for name in names:
             assert re.search(rf"\b{name}\b", text), f"{src} has no entry {name}"

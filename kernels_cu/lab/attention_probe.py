@@ -1,6 +1,6 @@
 """Where a decode-attention launch spends its time: `python -m kernels_cu.lab.attention_probe [--ctx 576]`.
 
-Builds attention_decode.cu with -DFLLAMA_ATTN_PROBE (thread 0 of every fused block stamps %globaltimer at its
+Builds attention_fused.cu with -DFLLAMA_ATTN_PROBE (thread 0 of every fused block stamps %globaltimer at its
 phases; the engine's build never has it) and prints, per phase, when the blocks reach it, in us after the
 first block entered: the median block and the last block, medians over launches. Three settings, a preset's
 attention at batch 1 (`--model`, default LLaMA-2-7B; RoPE mode, as the engine calls it):
@@ -36,7 +36,7 @@ def probe_buffers() -> list[tuple[int, int]]:
     (plain launches) and launch_ex's (cluster and programmatic launches load the cubin a second time)."""
     from kernels_cu import build, launch_ex
 
-    module, path = build._module("attention_decode.cu", ())
+    module, path = build._module("attention_fused.cu", ())
     bufs = [module.get_global("fllama_attn_probe")]
     ex = launch_ex.module_global(path, "fllama_attn_probe")
     return bufs + ([ex] if ex is not None else [])

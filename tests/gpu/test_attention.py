@@ -1,4 +1,4 @@
-"""Decode attention (attention_decode.cu) and prefill attention (SDPA) against float32 references.
+"""Decode attention (attention_fused.cu, attention_decode.cu) and prefill attention (SDPA) against float32 references.
 
 Cache positions past each row's length hold NaN (fp16) or NaN scales (int8): a kernel that reads or
 weights them fails loudly. Both decode paths run: fused (one launch, counters the kernel resets itself)
@@ -524,7 +524,7 @@ def test_cluster_combine_equals_the_workspace_combine(variant, D, int8, H, Hkv, 
             return got[:1] + (got[3],)
         return got[:3] if quant else got[:1]
 
-    cl_fn = build.get_function("attention_decode.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
+    cl_fn = build.get_function("attention_fused.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
     before = cl_fn.cluster_launches
     groups = -(-(H // Hkv) // ad.SLOTS)
     S = ad.fused_launch(L, B, Hkv, groups, D, int8, ad.sm_count(0), ad.smem_per_sm(0),
@@ -548,7 +548,7 @@ def test_cluster_grid_fits_in_one_wave(B, D, int8):
     """LLaMA-2-7B-like heads: the launcher's S keeps every unit's cluster resident at once (the GPU's own count)."""
     H = Hkv = 32
     L = 4097
-    fn = build.get_function("attention_decode.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
+    fn = build.get_function("attention_fused.cu", f"attn_fused_d{D}{'_kv8' if int8 else ''}_cl", ad.SIGNATURE)
     smem = ad.fused_smem_bytes(D, int8)
     units = B * Hkv
 
