@@ -371,10 +371,10 @@ def wide_ring(warps: int) -> int:
 
 
 def _run_wide(warps: int, suffix: str, y, x8, a_scale, a_stride, w8, w_scale, residual, fold_out, part) -> None:
-    """fp8_gemv_w2x{warps}: 32 token rows x 32 channels a block (fp8_gemm.cu fp8_gemv_wide)."""
+    """fp8_gemv_w2x{warps}: 32 token rows x 32 channels a block (fp8_gemv_wide.cu)."""
     check_tensor(x8, "x8", CODES, align=16)  # the token rows' cp.async
     M, N = x8.shape[0], w8.shape[0]
-    fn = build.get_function("fp8_gemm.cu", f"fp8_gemv_w2x{warps}{suffix}", GEMV_SIGNATURE)
+    fn = build.get_function("fp8_gemv_wide.cu", f"fp8_gemv_w2x{warps}{suffix}", GEMV_SIGNATURE)
     fold = (None,) * 4 if fold_out is None else (fold_out.w, fold_out.xg, fold_out.part, fold_out.mx)
     fn((cdiv(M, 32), cdiv(N, 32)), (32 * warps,), y, x8, a_scale, a_stride, w8, w_scale, residual, *fold, part, M,
        N, x8.shape[1], shared=wide_ring(warps))

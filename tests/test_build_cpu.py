@@ -60,8 +60,12 @@ ENTRY_POINTS = {
                     for e in ("", "_res", "_silu")]
                    + [f"fp8_gemv_xq{r}{e}" for r in ("", "1") for e in ("", "_res", "_silu")]
                    + [f"fp8_gemv_nq{r}{e}" for r in ("", "1") for e in ("", "_silu")]
-                   + ["fp8_gemv_dq1", "fp8_gemv_dq1_res", "fp8_gemv_fq1", "fp8_gemv_fq1_silu"]
-                   + [f"fp8_gemv_w2x{w}{e}" for w in (4, 8) for e in ("", "_res", "_silu")],
+                   + ["fp8_gemv_dq1", "fp8_gemv_dq1_res", "fp8_gemv_fq1", "fp8_gemv_fq1_silu"],
+    "fp8_gemv_wide.cu": [f"fp8_gemv_w2x{w}{e}" for w in (4, 8) for e in ("", "_res", "_silu")],
+    "attention_decode.cu": [f"attn_decode_d{d}{k}" for d in (64, 128) for k in ("", "_kv8", "_kvf8")]
+                           + ["attn_decode_combine"],
+    "attention_fused.cu": [f"attn_fused_d{d}{k}{c}" for d in (64, 128) for k in ("", "_kv8", "_kvf8")
+                           for c in ("", "_cl")],
 }
 
 

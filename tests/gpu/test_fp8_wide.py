@@ -150,7 +150,7 @@ def test_wide_kernel_choice_and_bad_value():
 @pytest.mark.parametrize("epi", ["", "_res", "_silu"])
 def test_wide_resources(warps, epi):
     """No spills; registers and the ring fit one 8-warp block a SM, or two 4-warp blocks."""
-    res = build.get_function("fp8_gemm.cu", f"fp8_gemv_w2x{warps}{epi}", GEMV_SIGNATURE).resources()
+    res = build.get_function("fp8_gemv_wide.cu", f"fp8_gemv_w2x{warps}{epi}", GEMV_SIGNATURE).resources()
     assert res["local_bytes"] == 0, res
     blocks = 8 // warps
     assert cdiv(res["registers"], 8) * 8 * 32 * warps * blocks <= 65536, res
