@@ -9,6 +9,18 @@ namespace fllama {
 
 constexpr int FP8_GEMV_WARPS = 8;  // fp8_gemm.cu's blocks: the hooks' per-warp reductions
 
+// Each of the block's rows' max from its warps' maxima (s_red [8][FP8_GEMV_WARPS], thread r < rows takes row r),
+// then the row's scale and its inverse (fp8_quantize's rule).
+__device__ __forceinline__ void rows_dyn_scales(const float* s_red, float* s_inv, float* s_scale, int rows) {
+    const int tid = threadIdx.x;
+    if (tid < rows) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int w = 0; w < FP8_GEMV_WARPS; ++w) amax = fmaxf(amax, s_red[tid * FP8_GEMV_WARPS + w]);
+        fp8_dyn_scales(amax, s_inv[tid], s_scale[tid]);
+    }
+}
+
 // fp8_gemv_xq's prologue, right after the PDL wait: each of the block's rows' scales (fp8_quantize's rule) into
 // s_scale[row] for the epilogue, and the scale's inverse of this lane's token row g into *inv for Fp8QuantX. The rows
 // are read as one flat range (x is contiguous), NV 16-byte loads a thread in flight, each folded into its row's
@@ -65,12 +77,7 @@ struct Fp8AmaxHook {
             if (lane == 0) s_red[r * FP8_GEMV_WARPS + warp] = a[r];
         }
         __syncthreads();
-        if (tid < rows) {
-            float amax = 0.0f;
-#pragma unroll
-            for (int w = 0; w < FP8_GEMV_WARPS; ++w) amax = fmaxf(amax, s_red[tid * FP8_GEMV_WARPS + w]);
-            fp8_dyn_scales(amax, s_inv[tid], s_scale[tid]);
-        }
+        rows_dyn_scales(s_red, s_inv, s_scale, rows);
         __syncthreads();
         *inv = g < rows ? s_inv[g] : 0.0f;
     }
@@ -157,12 +164,7 @@ struct Fp8NormHook {
                 if (lane == 0) s_red[r * FP8_GEMV_WARPS + warp] = m;
             }
             __syncthreads();
-            if (tid < rows) {
-                float amax = 0.0f;
-#pragma unroll
-                for (int w = 0; w < FP8_GEMV_WARPS; ++w) amax = fmaxf(amax, s_red[tid * FP8_GEMV_WARPS + w]);
-                fp8_dyn_scales(amax, s_inv[tid], s_scale[tid]);
-            }
+            rows_dyn_scales(s_red, s_inv, s_scale, rows);
         } else if (tid < rows) {
             fp8_static_scales(*static_scale, s_inv[tid], s_scale[tid]);
         }
