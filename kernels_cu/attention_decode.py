@@ -42,7 +42,7 @@ from kernels_cu.kv_codes import SUFFIX, KvKind, require_kind
 HEAD_DIMS = (64, 128)
 SLOTS = 8  # query heads per block
 
-# fused kernel geometry: mirrors fused::Geom in attention_stage.cuh (the kernel traps on a mismatch)
+# fused kernel geometry: mirrors fllama::fused::Geom in attention_stage.cuh (the kernel traps on a mismatch)
 FUSED_WARPS = 4
 FUSED_THREADS = 32 * FUSED_WARPS
 FUSED_STAGE = 16 * FUSED_WARPS  # positions per pipeline stage

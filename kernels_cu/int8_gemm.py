@@ -165,9 +165,10 @@ def int8_gemm_deferred(xq: DeferredQuant, qweight: torch.Tensor, w_scale: torch.
         res = "_res" if residual is not None else ""
         row_loop = M == 1 and tuning.current().xq_row_loop
         fn = build.get_function("int8_gemm.cu", f"int8_gemv_xq{'1' if row_loop else ''}{res}", XQ_SIGNATURE)
+        ring = GEMV_RING_BYTES if row_loop else gemv_xq_shared(M, K)
         fn((cdiv(N, 16), 1), (GEMV_THREADS,), y, x, part, 0 if part is None else part.shape[1], row_amax,
            xq.static_amax if part is None else None, qweight, w_scale, residual, *_fold_args(fold_out), M, N, K,
-           int(residual_settled), shared=gemv_shared(cdiv(N, 16), GEMV_RING_BYTES if row_loop else gemv_xq_shared(M, K)))
+           int(residual_settled), shared=gemv_shared(cdiv(N, 16), ring))
     return y
 
 

@@ -1,4 +1,5 @@
-"""CPU checks of the fused decode-attention kernel's index algebra (attention_fused.cu and its headers, namespace fused).
+"""CPU checks of the fused decode-attention kernel's index algebra (attention_fused.cu and its headers, namespace
+fllama::fused).
 
 Three things the GPU tests cannot pin down on their own, emulated here without a GPU:
 - the run-time split of a row's tiles over the blocks of a unit covers every position exactly once, with

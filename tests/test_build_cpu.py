@@ -174,8 +174,9 @@ def test_every_kernel_compiles_for_hopper_with_its_entry_points(tmp_path, monkey
 
 
 # What a decode step on an Ampere GPU compiles (the Hopper-only GEMMs, TMA and fp8 files are never asked for there).
-AMPERE_FILES = ["attention_decode.cu", "attention_fused.cu", "awq_batch.cu", "awq_gemm.cu", "awq_gemv.cu", "embedding.cu",
-                "fp16_gemv.cu", "int8_gemm.cu", "quantize.cu", "rmsnorm.cu", "rope_kv.cu", "sampling.cu", "silu_mul.cu"]
+AMPERE_FILES = ["attention_decode.cu", "attention_fused.cu", "awq_batch.cu", "awq_gemm.cu", "awq_gemv.cu",
+                "embedding.cu", "fp16_gemv.cu", "int8_gemm.cu", "quantize.cu", "rmsnorm.cu", "rope_kv.cu",
+                "sampling.cu", "silu_mul.cu"]
 
 
 @pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc is not installed")
