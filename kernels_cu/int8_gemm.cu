@@ -21,6 +21,7 @@
 // int8_dequant[_res]: the epilogue alone, for the int32 product of torch._int_mm (prefill);
 //   4 columns per thread, grid ceil(M * N / 4 / 256), block 256.
 #include "deferred_quant.cuh"
+#include "norm_fold.cuh"
 
 using namespace fllama;
 
@@ -241,13 +242,11 @@ __device__ __forceinline__ void int8_gemv(__half* __restrict__ y, float* __restr
     const int n_epi = blockIdx.x * 16 + (lane >> 2) + ((warp & 2) ? 8 : 0);
     __half fold_w = __float2half_rn(0.0f);
     if (EPI == 1 && fold.xg != nullptr && warp < 4 * MT && n_epi < N) fold_w = fold.w[n_epi];
-    // res_early (one token tile): the epilogue thread's residual before the PDL wait, its writer settled (fp16_gemv.cu)
+    // res_early (one token tile): the epilogue thread's residual before the PDL wait (norm_fold.cuh residual_ahead)
     const bool early = EPI == 1 && MT == 1 && res_early != 0;
-    __half rp = __float2half_rn(0.0f);
-    if (early && warp < 4) {
-        const int m = m0 + 2 * (lane & 3) + (warp & 1);
-        if (m < M && n_epi < N) rp = __ldcg(residual + (size_t)m * N + n_epi);
-    }
+    const __half rp = early ? __low2half(residual_ahead(residual, false, warp, m0 + 2 * (lane & 3) + (warp & 1), M, N,
+                                                        blockIdx.x * 16 + (lane >> 2)))
+                            : __float2half_rn(0.0f);
 
     auto mma = [](auto& c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
         mma_s8_16832(c, a0, a1, a2, a3, b0, b1);
