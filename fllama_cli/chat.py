@@ -50,6 +50,7 @@ def chat_cmd(
     opened = open_model(model, device=device, random=random, seed=seed, kv=kv_kind(kv_int8, kv_fp8),
                         lm_head_int8=lm_head_int8, cpu_dtype=cpu_dtype)
     session = ChatSession(opened.backend, opened.tokenizer, cfg, system=system, max_len=context)
+    session.warm_up()  # the GPU's kernels and decode graph now, not in the first reply
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     interactive = sys.stdin.isatty()

@@ -16,6 +16,7 @@ from fllama_cli.runtime import open_model
 from fllama_cli.sampling import RepetitionOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_config
 from model_zoo.errors import PromptError
 from model_zoo.generation import GenerationConfig, check_prompts, generate
+from model_zoo.warm_up import warm_up
 
 SUMMARY = "Continue a prompt, streamed as it is generated (several -p: a batch)."
 EXAMPLES = ('fllama generate -p "The capital of France is" -n 16 --temperature 0',
@@ -53,6 +54,7 @@ def generate_cmd(
     tok = opened.tokenizer
     ids = [tok.encode(p) for p in prompts]
     check_prompts(ids, opened.config)  # before the prompt is echoed: an error is one line, not the prompt and a line
+    warm_s = warm_up(opened.backend, tok, ids, cfg)  # the GPU's kernels and decode graph, not in the stats below
     stream = not json_out and len(prompts) == 1
     out = Console(highlight=False, soft_wrap=True)
     if stream:
@@ -64,7 +66,8 @@ def generate_cmd(
                  "generated_tokens": len(r.tokens), "finish_reason": r.finish_reason} for r in results]
         summary = {"tokens_per_s": round(stats.tokens_per_s, 3),
                    "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
-                   "time_to_first_token_s": round(stats.prefill_s, 4), "device": opened.device,
+                   "time_to_first_token_s": round(stats.prefill_s, 4), "warm_up_s": round(warm_s, 4),
+                   "device": opened.device,
                    "backend": opened.backend.name}
         obj = {**rows[0], **summary} if len(rows) == 1 else {"results": rows, **summary,
                                                              "generated_tokens": sum(len(r.tokens) for r in results)}

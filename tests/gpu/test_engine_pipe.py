@@ -99,3 +99,24 @@ def test_leading_rows_of_a_large_cache_run_the_small_graph():
         for r, t in zip(step.rows, step.tokens()):
             got[r].append(t)
     assert 8 in cache.views and got[0][:12] == alone[0] and got[5][:12] == alone[5]
+
+
+def test_warm_up_captures_the_request_graph_and_changes_no_token():
+    """After warm_up (fllama generate / chat before the first request) the request's cache and its decode graph are
+    the ones the warm-up made, so the request captures nothing; its tokens are those of a run without it."""
+    from model_zoo.warm_up import warm_up
+
+    eng, stepwise = engines("smol-like", "awq")
+    tok = Tokenizer.byte_fallback(CONFIGS["smol-like"].vocab_size)
+    prompts = [tok.encode("warm the engine up"), tok.encode("and a second row")]
+    cfg = GenerationConfig(16, SamplingConfig(temperature=0.8, top_k=30, seed=11), stop_at_eos=False)
+    want = [r.tokens for r in generate(stepwise, tok, prompts, cfg)[0]]
+    assert warm_up(eng, tok, prompts, cfg) > 0.0
+    cache = eng.new_cache(2, max(len(p) for p in prompts) + 16)
+    graphs = dict(cache.graphs)
+    assert "sampled" in graphs and int(cache.lengths.sum()) == 0
+    assert [r.tokens for r in generate(eng, tok, prompts, cfg)[0]] == want
+    assert eng.new_cache(2, 8).graphs["sampled"] is graphs["sampled"]  # the request captured no graph of its own
+    chat = ChatSession(eng, tok, GenerationConfig(6, GREEDY, stop_at_eos=False), max_len=128)
+    assert chat.warm_up() > 0.0 and int(chat.cache.lengths[0]) == 0
+    assert chat.send("hi").text == ChatSession(stepwise, tok, chat.cfg, max_len=128).send("hi").text
