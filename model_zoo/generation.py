@@ -75,6 +75,11 @@ def check_prompts(prompts: Sequence[Sequence[int]], config: LlamaConfig) -> None
         check_token_ids(torch.as_tensor(list(p), dtype=torch.long), config.vocab_size, "the prompt" + which)
 
 
+def cache_positions(config: LlamaConfig, prompts: Sequence[Sequence[int]], cfg: GenerationConfig) -> int:
+    """Positions of the cache generate() makes for `prompts`: the longest plus max_new_tokens, within the context."""
+    return min(config.max_positions, max(len(p) for p in prompts) + cfg.max_new_tokens)
+
+
 def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
              on_text: TextCallback | None = None, cache: Any = None,
              rows: Sequence[int] | None = None) -> tuple[list[RowResult], GenerationStats]:
@@ -90,7 +95,7 @@ def generate(backend: Backend, tokenizer: Any, prompts: Sequence[Sequence[int]],
     B = len(prompts)
     row_ids = list(range(B)) if rows is None else list(rows)
     if cache is None:
-        max_len = min(config.max_positions, max(len(p) for p in prompts) + cfg.max_new_tokens)
+        max_len = cache_positions(config, prompts, cfg)
         cache = backend.new_cache(B, max_len)
     start = [int(cache.lengths[r]) + len(p) for r, p in zip(row_ids, prompts)]  # lengths after the prefill
     for s in start:
