@@ -103,9 +103,9 @@ __device__ __forceinline__ void fold_store_res(__half* __restrict__ y, __half* _
     if ((threadIdx.x & 28) == 0 && m < M) part[(size_t)m * (N / 16) + panel] = sq;
 }
 // The residual a GEMV epilogue thread adds, read ahead (before the PDL wait) where the caller says its writer had
-// completed (res_early: fp16_gemv.cu, awq_gemv.cu): a producer's rows r < 2 take channels (n, n + 8) of token m, a
-// plain residual epilogue's row r channel n (r < 2) or n + 8. ld.cg: no line an earlier kernel left in this SM's L1.
-// Zeros where the epilogue writes nothing.
+// completed (res_early: fp16_gemv.cu, awq_gemv.cu, int8_gemm.cu): a producer's rows r < 2 take channels (n, n + 8)
+// of token m, a plain residual epilogue's row r channel n (r < 2) or n + 8. ld.cg: no line an earlier kernel left
+// in this SM's L1. Zeros where the epilogue writes nothing.
 __device__ __forceinline__ __half2 residual_ahead(const __half* __restrict__ residual, bool fold, int r, int m, int M,
                                                   int N, int n) {
     const int c = fold || r < 2 ? n : n + 8;

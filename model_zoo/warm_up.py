@@ -30,9 +30,10 @@ def warm_up(backend: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], cfg:
         return 0.0
     t0 = time.perf_counter()
     short = [list(p[:max(1, min(len(p) - 1, WARM_PROMPT))]) for p in prompts]
-    saved = cache.lengths.clone() if cache is not None else None
     if cache is None:
-        cache = backend.new_cache(len(prompts), cache_positions(backend.config, prompts, cfg))
+        cache, saved = backend.new_cache(len(prompts), cache_positions(backend.config, prompts, cfg)), None
+    else:
+        saved = cache.lengths.clone()
     try:
         short_cfg = dataclasses.replace(cfg, max_new_tokens=2, stop_strings=(), stop_at_eos=False)
         generate(backend, tokenizer, short, short_cfg, cache=cache)
