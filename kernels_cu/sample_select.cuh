@@ -1,5 +1,6 @@
 // The candidates of sampling.cu's top-k / top-p draw: a radix select (8-bit digits, shared-memory histograms)
-// finds the k-th largest key, then every token at or above it is gathered (with the softmax mass of the whole row).
+// finds the k-th largest key, then every token at or above it is gathered (with the softmax mass of the whole row,
+// per 8,192-token segment, which the temperature-only draw also uses).
 // Over one block, or over a thread-block cluster of P blocks (sm_90), each block walking its own segments: per
 // digit the P histograms are summed by every block (each reads the others' over distributed shared memory and picks
 // the same digit), and the candidates and segment sums are pushed into block 0, which sorts and draws alone.
@@ -14,8 +15,9 @@ namespace fllama {
 constexpr int CLUSTER_MAX = 16;  // blocks per cluster of the _cl entries (non-portable above 8; H100 / H200: 16)
 constexpr int MAX_K = 1024;
 constexpr int CAND_CAP = 2048;
-constexpr int SEG_CAP = 64;   // segments of a cluster's row (block 0 holds their sums): V <= 524,288,
-                              // sampling.py's CLUSTER_MAX_VOCAB
+constexpr int SEG_CAP = 64;   // segments of a cluster's row: V <= 524,288, sampling.py's CLUSTER_MAX_VOCAB
+constexpr int SEG_MAX = 256;  // segments of any row (block 0 holds every sum): V <= 2,097,152, sampling.py's
+                              // MAX_VOCAB
 constexpr int SEG_GROUP = 32; // segments whose per-warp partials a block holds at once
 
 struct SelectShared {
@@ -23,7 +25,7 @@ struct SelectShared {
     int sum[256];      // the cluster's histogram (P > 1)
     unsigned long long cand[CAND_CAP];  // (key << 32) | ~token, block 0's
     float segw[SEG_GROUP * 32];         // a segment's per-warp sums
-    float seg[SEG_CAP];                 // segment sums: block 0's (cluster), or one group's (one block)
+    float seg[SEG_MAX];                 // segment sums, in block 0
     float win_v, z_full;
     int win_i, n_cand, remaining, tie;
     uint32_t digit;
@@ -185,17 +187,15 @@ __device__ void gather_top_k(const Row<T>& row, int V, int s_lo, int s_hi, Thres
     }, [](int) {});
 }
 
-// Top-p rows: this block's segments' candidates (push_candidate), and each segment's sum of exp(x - m) (8 tokens a
-// thread in order, the warp's xor tree, the 32 warps in order), which normalises the nucleus. CL: cand / n_cand /
-// seg_dst are block 0's, maybe in another block of the cluster, and segment s's sum goes to seg_dst[s]; else (one
-// block) the sums are folded in segment order into sh.z_full (by thread 0, read after a barrier), as block 0 of a
-// cluster folds seg_dst.
-template <bool CL, typename T>
+// Top-p rows (CAND) and temperature-only rows: each segment's sum of exp(x - m) over this block's segments (8 tokens
+// a thread in order, the warp's xor tree, the 32 warps in order: one order whichever block walks it) into
+// seg_dst[s] (block 0's, maybe in another block of the cluster), and with CAND the candidates (push_candidate;
+// cand / n_cand block 0's too).
+template <bool CAND, typename T>
 __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, float m, SelectShared& sh,
                        unsigned long long* cand, int* n_cand, float* seg_dst) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned long long bound = candidate_bound(t);
-    float z = 0.0f;  // thread 0's, one block
     for (int g = s_lo; g < s_hi; g += SEG_GROUP) {
         const int g_hi = min(s_hi, g + SEG_GROUP);
         float zc = 0.0f;
@@ -203,7 +203,7 @@ __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t
             if (!ok) return;
             const float x = row.value_of(v, l);
             zc += expf(x - m);
-            push_candidate(x, v, bound, cand, n_cand);
+            if (CAND) push_candidate(x, v, bound, cand, n_cand);
         }, [&](int s) {
             const float w = warp_sum(zc);
             if (lane == 0) sh.segw[(s - g) * 32 + warp] = w;
@@ -214,14 +214,17 @@ __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t
         if (s < g_hi) {
             float sum = 0.0f;
             for (int w = 0; w < 32; ++w) sum += sh.segw[threadIdx.x * 32 + w];
-            if (!CL) sh.seg[threadIdx.x] = sum;
-            else if (s < SEG_CAP) seg_dst[s] = sum;
+            seg_dst[s] = sum;
         }
-        __syncthreads();  // segw is read before the next group writes it (and thread 0 folds seg before that)
-        if (!CL && threadIdx.x == 0)
-            for (int i = 0; i < g_hi - g; ++i) z += sh.seg[i];
+        __syncthreads();  // segw is read before the next group writes it
     }
-    if (!CL && threadIdx.x == 0) sh.z_full = z;
+}
+
+// The sum of segments [0, segs) in order (block 0, once every segment's is in): the row's softmax mass.
+__device__ __forceinline__ float segments_total(const float* seg, int segs) {
+    float z = 0.0f;
+    for (int i = 0; i < segs; ++i) z += seg[i];
+    return z;
 }
 
 }  // namespace fllama

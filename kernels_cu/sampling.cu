@@ -22,14 +22,17 @@
 //     the draw. With top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
 //     normalised over the whole vocabulary, summed over fixed 8,192-token segments so that a cluster's sum is the
 //     one block's).
-//   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order.
+//   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order, in two levels:
+//     each 8,192-token segment's mass (gather), then block 0 picks the segment and, by a block scan of the
+//     threads' 8-token chunks, the token in it.
 // Random numbers: Philox-4x32-10 keyed by the row's seed, counter = its draw counter, so replays of one graph
 // draw fresh numbers and a row's stream depends neither on the batch it runs in nor on its slot.
 // *_cl entries (sm_90): grid (P, n), each row's P blocks one thread-block cluster. The max/argmax pass, which
 // one block runs at ~12 instructions a token on one SM (14 us at 128k tokens), is split into P contiguous slices
-// of whole 8-token chunks. Greedy and temperature-only rows: blocks 1..P-1 push their winner into block 0's shared
-// memory and exit, and block 0 goes on as the one-block kernel does. Top-k / top-p rows: the radix select and the
-// candidate gather run over the whole cluster too (sample_select.cuh); block 0 then sorts and draws alone.
+// of whole 8-token chunks. Greedy rows: blocks 1..P-1 push their winner into block 0's shared memory and exit,
+// and block 0 goes on as the one-block kernel does. Temperature-only rows: the segment sums run over the whole
+// cluster too. Top-k / top-p rows: the radix select and the candidate gather as well (sample_select.cuh); block 0
+// then sorts and draws alone.
 #include "block_reduce.cuh"
 #include "common.cuh"
 #include "philox.cuh"
@@ -46,7 +49,8 @@ struct Shared {
     float fv[32];
     int fi[32];
     float incl[SAMPLE_THREADS];
-    int pick;
+    int pick, pick_seg;  // the drawn token; the whole-vocabulary draw's segment
+    float rest;          // and the target's mass into it
     float part_v[CLUSTER_MAX], part_i[CLUSTER_MAX];  // _cl, block 0: the other blocks' winners (cluster_argmax)
     int eos[EOS_EARLY];  // thread 0's, from before the wait (shared memory: no registers held through the row)
     int new_length;
@@ -70,6 +74,61 @@ struct StepOut {
         lengths[b] = new_len;
     }
 };
+
+// The temperature-only draw from block 0's segment sums: thread 0 draws the target and finds its segment in index
+// order (the sums folded in segments_total's order, so the target lies in one); the block scans that segment's
+// 8-token chunks (gather's exps) and the thread whose range holds the rest of the target finds the token. A NaN or
+// infinite mass (a row of -inf or NaN logits) finds no segment and falls back to the argmax.
+template <typename T>
+__device__ int draw_whole(const Row<T>& row, int V, int segs, float m, unsigned long long seed,
+                          unsigned long long counter, int argmax, Shared& sh) {
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        const float z = segments_total(sh.sel.seg, segs);
+        float target = uniform01(seed, counter) * z;
+        if (target >= z) target = nextafterf(z, 0.0f);
+        float run = 0.0f;
+        sh.pick_seg = -1;
+        for (int s = 0; s < segs; ++s) {
+            const float next = run + sh.sel.seg[s];
+            if (next > target && sh.sel.seg[s] > 0.0f) {
+                sh.pick_seg = s;
+                sh.rest = target - run;
+                break;
+            }
+            run = next;
+        }
+        sh.pick = 0x7fffffff;
+    }
+    __syncthreads();
+    const int s = sh.pick_seg;
+    if (s < 0) return argmax;
+    const int v0 = s * SEG_TOKENS + 8 * tid;
+    ChunkLoads<T> ld;
+    if (v0 < V) ld.load(row.logits, V, 0, v0 / 8);
+    const auto e = [&](int j) { return v0 + j < V ? expf(row.value_of(v0 + j, ld.logit(0, j)) - m) : 0.0f; };
+    float part = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) part += e(j);
+    const float incl = block_inclusive_scan(part, sh.incl, sh.fv);  // e(j) again after it: 8 fewer live registers
+    const float excl = tid > 0 ? sh.incl[tid - 1] : 0.0f, total = sh.incl[blockDim.x - 1];
+    const float rest = sh.rest < total ? sh.rest : nextafterf(total, 0.0f);  // the scan's rounding, not the sums'
+    if (excl <= rest && rest < incl) {
+        float run = excl;
+        int found = -1, last = -1;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float ej = e(j);
+            run += ej;
+            if (ej > 0.0f) last = v0 + j;
+            if (found < 0 && run > rest && ej > 0.0f) found = v0 + j;
+        }
+        found = found >= 0 ? found : last;  // rounding put the target past this thread's last token
+        if (found >= 0) atomicMin(&sh.pick, found);
+    }
+    __syncthreads();
+    return sh.pick != 0x7fffffff ? sh.pick : argmax;
+}
 
 // CL: the _cl entries (grid (P, n), a cluster of P blocks a row), else one block a row (grid (n)).
 template <typename T, bool CL>
@@ -117,8 +176,10 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     // max (and argmax, the greedy answer and the fallback of the draws), over this block's slice of the row's
     // 8-token chunks (16-byte aligned wherever V % 8 == 0): the whole row without a cluster
     row.scaled = !(temperature <= 0.0f || top_k == 1);
-    // top-k / top-p rows keep the whole cluster for the select; the others leave it to block 0 after this pass
-    const bool select = row.scaled && !(top_k == 0 && top_p >= 1.0f);
+    // top-k / top-p rows keep the whole cluster for the select, temperature-only ones for the segment sums;
+    // greedy rows leave it to block 0 after this pass
+    const bool whole = row.scaled && top_k == 0 && top_p >= 1.0f;
+    const bool select = row.scaled && !whole;
     const int k = min(top_k > 0 ? top_k : MAX_K, V);
     const int chunks = (V + 7) / 8, per_block = (chunks + P - 1) / P;
     const int c_lo = min(chunks, rank * per_block), c_hi = min(chunks, c_lo + per_block);
@@ -137,46 +198,35 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         for_each_value(row, V, c_lo, c_hi, argmax_of);
     }
     best = block_argmax(best, sh.fv, sh.fi);  // (its barriers complete hist[0] too)
-    if (CL && !select && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: done
+    if (CL && !row.scaled && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: done
     int argmax = best.i < V ? best.i : 0;
     float m = best.v;
+    const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
+    const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);  // this block's segments
 
     if (!row.scaled) {
         token = argmax;
-    } else if (top_k == 0 && top_p >= 1.0f) {
-        // ---- the whole vocabulary, inverse CDF in index order over contiguous per-thread chunks
-        const int chunk = (V + blockDim.x - 1) / blockDim.x;
-        const int lo = min(V, tid * chunk), hi = min(V, lo + chunk);
-        float part = 0.0f;
-        for (int v = lo; v < hi; ++v) part += expf(row.value(v) - m);
-        const float incl = block_inclusive_scan(part, sh.incl, sh.fv);
-        const float excl = tid > 0 ? sh.incl[tid - 1] : 0.0f;
-        const float total = sh.incl[blockDim.x - 1];
-        float target = uniform01(seed, counter) * total;
-        if (target >= total) target = nextafterf(total, 0.0f);
-        if (tid == 0) sh.pick = 0x7fffffff;
-        __syncthreads();
-        if (excl <= target && target < incl) {
-            float run = excl;
-            int found = -1, last = -1;
-            for (int v = lo; v < hi; ++v) {
-                const float e = expf(row.value(v) - m);
-                if (e > 0.0f) last = v;
-                run += e;
-                if (run > target && e > 0.0f) {
-                    found = v;
-                    break;
-                }
+    } else if (whole) {
+        if (CL) {
+            cluster_wait_acquire();  // phase 1: every block has started
+            if (tid == 0) {
+                sh.sel.win_v = best.v;
+                sh.sel.win_i = best.i;
             }
-            found = found >= 0 ? found : last;
-            if (found >= 0) atomicMin(&sh.pick, found);
+            cluster_sync();  // every block's winner is in: each takes the row's max
+            best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
+            argmax = best.i < V ? best.i : 0;
+            m = best.v;
         }
-        __syncthreads();
-        token = sh.pick != 0x7fffffff ? sh.pick : argmax;
+        gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, nullptr, nullptr,
+                      CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
+        if (CL) {
+            cluster_sync();  // block 0 holds every segment's sum; nobody reads another block after it
+            if (rank != 0) return;
+        }
+        token = draw_whole(row, V, segs, m, seed, counter, argmax, sh);
     } else {
         // ---- top-k / top-p: the candidates over this block's segments (sample_select.cuh), sorted, scanned
-        const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
-        const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);
         if (CL) cluster_wait_acquire();  // phase 1: every block has started, so its shared memory may be written
         if (tid == 0) {  // read by the cluster (block 0's counter: written by all) after the next barrier
             sh.sel.win_v = best.v;
@@ -197,17 +247,14 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         unsigned long long* const cand = CL ? cluster_ptr(sh.sel.cand, 0) : sh.sel.cand;
         int* const n_cand = CL ? cluster_ptr(&sh.sel.n_cand, 0) : &sh.sel.n_cand;
         if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, cand, n_cand);
-        else gather<CL>(row, V, s_lo, s_hi, t, m, sh.sel, cand, n_cand, CL ? cluster_ptr(sh.sel.seg, 0) : nullptr);
+        else gather<true>(row, V, s_lo, s_hi, t, m, sh.sel, cand, n_cand, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
         if (CL) {
             cluster_sync();  // block 0 holds every candidate and segment sum; nobody reads another block after it
             if (rank != 0) return;
-            if (tid == 0 && top_k == 0) {  // the segments in order, as the one-block gather folds them
-                float z = 0.0f;
-                for (int i = 0; i < min(segs, SEG_CAP); ++i) z += sh.sel.seg[i];
-                sh.sel.z_full = z;
-            }
         }
-        __syncthreads();  // z_full and the candidates are in
+        __syncthreads();  // the candidates and segment sums are in
+        if (tid == 0 && top_k == 0) sh.sel.z_full = segments_total(sh.sel.seg, segs);
+        __syncthreads();  // z_full is in
         const float z_full = sh.sel.z_full;
         const int n = min(sh.sel.n_cand, CAND_CAP);
         int n2 = 1;

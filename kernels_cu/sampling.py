@@ -8,14 +8,14 @@ Device state (GpuSampler owns it; `sample` is the bare launcher):
     rng      int64 [B, 2]  per row: its Philox key (the seed) and draw counter (the kernel increments it), so a
                            row's draws depend on its own seed alone, not on its slot or the batch around it
 Semantics follow model_zoo.sampling.TorchSampler (penalty, then greedy or temperature -> top-k -> top-p ->
-softmax draw). Limits: top_k <= MAX_TOP_K; with top_p alone the nucleus is searched among the MAX_TOP_K
-largest logits (exact whenever the nucleus holds fewer tokens); ties at the k-th value are kept as in
+softmax draw). Limits: top_k <= MAX_TOP_K, V <= MAX_VOCAB; with top_p alone the nucleus is searched among the
+MAX_TOP_K largest logits (exact whenever the nucleus holds fewer tokens); ties at the k-th value are kept as in
 torch, up to 2048 candidates (past that, the ties of lowest index).
 
 On GPUs with thread-block clusters (sm_90) a row may run over P blocks, one cluster a row (`cluster_blocks`:
 tuning's sample_cluster_blocks, where the vocabulary is large enough and the clusters of the batch are resident at
-once): the max/argmax pass, and for top-k / top-p rows the radix select and the candidate gather too; the tokens
-and the state are those of the one-block launch, bit for bit.
+once): the max/argmax pass, for temperature-only rows the segments' sums, and for top-k / top-p rows the radix
+select and the candidate gather too; the tokens and the state are those of the one-block launch, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ THREADS = 1024
 MAX_TOP_K = 1024
 CLUSTER_MAX = 16  # blocks per cluster of the `_cl` entries (sampling.cu; non-portable above 8)
 CLUSTER_MAX_VOCAB = 64 * 8192  # a cluster's row: block 0 holds its segment sums (SEG_CAP * SEG_TOKENS)
+MAX_VOCAB = 256 * 8192  # any row: block 0 holds every segment's sum (SEG_MAX * SEG_TOKENS)
 
 
 def params_row(cfg: SamplingConfig) -> list[float]:
@@ -72,6 +73,8 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seen: torch.Tensor, finis
     if logits.dim() != 2:
         raise ValueError(f"logits must be [n, V], got {tuple(logits.shape)}")
     n, V = logits.shape
+    if V > MAX_VOCAB:
+        raise ValueError(f"the GPU sampler takes vocabularies of up to {MAX_VOCAB:,} tokens, got {V:,}")
     B = params.shape[0] if rows is not None else n
     check_tensor(logits, "logits", (torch.float16, torch.float32), align=logits.element_size())
     check_tensor(params, "params", torch.float32, (B, 4), align=4)
@@ -160,6 +163,8 @@ class GpuSampler:
                  seed: int = 0, config: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig()):
         if not eos_ids:
             raise ConfigError("GPU sampling needs at least one end-of-sequence id")
+        if vocab > MAX_VOCAB:
+            raise ConfigError(f"GPU sampling takes vocabularies of up to {MAX_VOCAB:,} tokens, got {vocab:,}")
         self.batch, self.vocab = batch, vocab
         self.params = params_tensor(config, batch).to(device)  # [B, 4]
         self.seen = torch.zeros(batch, vocab, dtype=torch.uint8, device=device)  # [B, V]

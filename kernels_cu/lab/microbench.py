@@ -284,7 +284,8 @@ SAMPLE_VOCABS = (32000, 49152, 128256)  # LLaMA-2, SmolLM / StarCoder, Llama-3
 SAMPLE_CONFIGS = {"greedy": SamplingConfig(temperature=0.0),
                   "top-k 50": SamplingConfig(temperature=1.0, top_k=50, top_p=1.0),
                   "top-p 0.9": SamplingConfig(temperature=1.0, top_k=0, top_p=0.9),
-                  "default": SamplingConfig(temperature=0.7, top_k=40, top_p=0.95)}  # fllama generate / chat
+                  "default": SamplingConfig(temperature=0.7, top_k=40, top_p=0.95),  # fllama generate / chat
+                  "temperature": SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)}  # an OpenAI request's
 
 
 def bench_sample(V: int, b: int, what: str, blocks: int, bw: float) -> Row:
