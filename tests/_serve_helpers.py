@@ -1,4 +1,4 @@
-"""Shared by the scheduler and server tests: comparing a batched greedy answer with the one generated alone."""
+"""Comparing a greedy answer with another one (batched against alone, the engine against the CPU reference)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from model_zoo.reference import ReferenceModel  # noqa: E402
 from model_zoo.rope import RopeScaling, RopeType  # noqa: E402
 from model_zoo.sampling import SamplingConfig  # noqa: E402
 from model_zoo.tokenizer import Tokenizer  # noqa: E402
+from tests._serve_helpers import assert_same_greedy  # noqa: E402
 from tests.gpu.test_engine import checkpoint, decode_steps, rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +69,10 @@ def test_greedy_tokens_equal_reference(name):
     cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
     prompt = [tok.encode("Llama-3's RoPE scaling, on the GPU engine and on the CPU reference alike. " * 2)]
     assert len(prompt[0]) > 64  # past the original context from the first step
-    assert generate(eng, tok, prompt, cfg)[0][0].tokens == generate(ref, tok, prompt, cfg)[0][0].tokens
+    # equal, or parted where the reference's two best logits tie within NEAR_TIE (Mistral's token 28 here: 2.96893
+    # and 2.96871 in fp32, both 2.96875 in the engine's fp16 logits)
+    got, want = generate(eng, tok, prompt, cfg)[0][0].tokens, generate(ref, tok, prompt, cfg)[0][0].tokens
+    assert_same_greedy(ref, prompt[0], got, want)
 
 
 def test_the_engine_rope_table_carries_the_scaling():
