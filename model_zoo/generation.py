@@ -169,4 +169,5 @@ def _decode(pipe: DecodePipe, streams: list[TextStream], rows: list[int], start:
             if ts.push(tok):
                 pipe.leave(r)
     for r, s in zip(rows, start):
-        pipe.set_length(r, s + pushed[r] - 1)  # fed: every token taken but the last
+        if launched[r] != pushed[r] - 1:  # steps ran past the row's end: its length is what it was fed
+            pipe.set_length(r, s + pushed[r] - 1)  # every token taken but the last

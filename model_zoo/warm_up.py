@@ -19,17 +19,17 @@ WARM_PROMPT = 256  # prompt tokens a warm-up prefills at most (a bound on its co
 
 
 def warm_up(backend: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], cfg: GenerationConfig,
-            cache: Any = None) -> float:
+            cache: Any = None, max_prompt: int = WARM_PROMPT) -> float:
     """Run generate() on shortened copies of `prompts` (2 new tokens) so that the real call finds its kernels
     loaded and its decode graph captured; nothing on backends without a pipe of their own (CPU). Each copy is
     shorter than its prompt, since a prefill shape seen twice is captured on the second sighting (the real call).
     `cache`: the caller's (a chat session's), whose lengths are put back; without it, the cache generate() will
     make for `prompts` (same rows and size: the engine keeps it, and its graph, for the real call).
-    Returns the seconds it took."""
+    `max_prompt`: the copies' length at most. Returns the seconds it took."""
     if getattr(backend, "decode_pipe", None) is None:
         return 0.0
     t0 = time.perf_counter()
-    short = [list(p[:max(1, min(len(p) - 1, WARM_PROMPT))]) for p in prompts]
+    short = [list(p[:max(1, min(len(p) - 1, max_prompt))]) for p in prompts]
     if cache is None:
         cache, saved = backend.new_cache(len(prompts), cache_positions(backend.config, prompts, cfg)), None
     else:

@@ -73,3 +73,19 @@ def test_a_full_cache_is_refused_before_a_step_writes_past_it():
     pipe.join(0, 1, 8)
     with pytest.raises(Exception, match="row 0 is full"):
         pipe.launch()
+
+
+def test_lengths_are_set_back_only_where_steps_ran_past_an_end(ahead, monkeypatch):
+    """A row that took every token its steps sampled already has the right length: no set_length (on the GPU a
+    stream write and two event waits per row); a row that ended with steps in flight is set back."""
+    model, base = tiny_model(3), byte_tokenizer()
+    prompts = [base.encode("xyz"), base.encode("a longer prompt")]
+    free = generate(model, base, prompts[:1], GenerationConfig(12, GREEDY, stop_at_eos=False))[0][0]
+    calls: list[tuple[int, int]] = []
+    set_length = decode_pipe.StepPipe.set_length
+    monkeypatch.setattr(decode_pipe.StepPipe, "set_length",
+                        lambda self, row, n: (calls.append((row, n)), set_length(self, row, n))[1])
+    lengths = outcome(model, base, prompts, stop_at_eos=False)[2]
+    assert calls == [] and lengths == [len(p) + 12 - 1 for p in prompts]
+    _, _, lengths, _ = outcome(model, EosTokenizer(base, {free.tokens[4]}), prompts)
+    assert calls and all(lengths[r] == n for r, n in calls) and lengths[0] == len(prompts[0]) + 4

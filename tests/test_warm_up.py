@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model_zoo import decode_pipe, warm_up as warm_up_mod
+from model_zoo import decode_pipe
 from model_zoo.chat import ChatSession
 from model_zoo.generation import GenerationConfig, generate
 from model_zoo.sampling import SamplingConfig
@@ -53,10 +53,9 @@ def test_the_request_after_a_warm_up_is_unchanged(cfg):
     assert [r.tokens for r in generate(model, tok, prompts, cfg)[0]] == want
 
 
-def test_long_prompts_are_cut_to_the_warm_up_length(monkeypatch):
-    monkeypatch.setattr(warm_up_mod, "WARM_PROMPT", 5)
+def test_long_prompts_are_cut_to_the_warm_up_length():
     model, tok = Piped(tiny_model(3)), byte_tokenizer()
-    warm_up(model, tok, [tok.encode("much longer than five tokens"), tok.encode("x")], CONFIGS[0])
+    warm_up(model, tok, [tok.encode("much longer than five tokens"), tok.encode("x")], CONFIGS[0], max_prompt=5)
     assert model.shapes[:2] == [(1, 5), (1, 1)]  # a one-token prompt stays one token
 
 

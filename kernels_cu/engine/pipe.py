@@ -82,6 +82,7 @@ class EnginePipe:
         dev = cache.lengths.device
         self._host = torch.zeros(ring, B, dtype=torch.int32, pin_memory=True)  # sampled ids, one slot per step
         self._ctrl = torch.zeros(ring, 3, B, dtype=torch.int32, pin_memory=True)  # ACTIVE, TOKENS, JOINED
+        self._ctrl_np = self._ctrl.numpy()  # the same memory: filled without torch's per-op dispatch
         with build.on_stream():
             self._ctrl_dev = torch.zeros(3, B, dtype=torch.int32, device=dev)
         self._steps: list[GpuStep | None] = [None] * ring
@@ -142,15 +143,15 @@ class EnginePipe:
 
     def _send_control(self, slot: int, rows: tuple[int, ...]) -> None:
         """The joined rows and the first inputs of new ones, to the step buffers (on fllama's stream)."""
-        ctrl = self._ctrl[slot]
-        ctrl.zero_()
+        ctrl = self._ctrl_np[slot]
+        ctrl.fill(0)
         ctrl[ACTIVE, list(rows)] = 1
         for r, tok in self._inputs.items():
             if tok is not None:
                 ctrl[TOKENS, r], ctrl[JOINED, r] = tok, 1
                 self._inputs[r] = None
         st = self.cache.step_buffers()
-        self._ctrl_dev.copy_(ctrl, non_blocking=True)
+        self._ctrl_dev.copy_(self._ctrl[slot], non_blocking=True)
         st["active"].copy_(self._ctrl_dev[ACTIVE])
         torch.where(self._ctrl_dev[JOINED].bool(), self._ctrl_dev[TOKENS], st["tokens"], out=st["tokens"])
         self._dirty = False
