@@ -24,18 +24,24 @@ def seq_sum(values: np.ndarray) -> np.float32:
     return total
 
 
+def thread_chunks(e: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Segment s as the block holds it: each thread's 8 exps [THREADS, 8] (zeros past the row) and their sums in
+    order [THREADS]."""
+    chunk = np.zeros(SEG, f32)
+    part = e[s * SEG:(s + 1) * SEG]
+    chunk[:len(part)] = part
+    lanes = chunk.reshape(THREADS, 8)
+    t = lanes[:, 0].copy()
+    for j in range(1, 8):
+        t = (t + lanes[:, j]).astype(f32)
+    return lanes, t
+
+
 def segment_sums(e: np.ndarray) -> list[np.float32]:
     """gather: 8 tokens a thread in order, the warp's xor tree, the 32 warps in order."""
     sums = []
     for s in range(-(-len(e) // SEG)):
-        chunk = np.zeros(SEG, f32)
-        part = e[s * SEG:(s + 1) * SEG]
-        chunk[:len(part)] = part
-        lanes = chunk.reshape(THREADS, 8)
-        t = lanes[:, 0].copy()
-        for j in range(1, 8):
-            t = (t + lanes[:, j]).astype(f32)
-        w = t.reshape(32, 32)
+        w = thread_chunks(e, s)[1].reshape(32, 32)
         for o in (16, 8, 4, 2, 1):
             w = (w + w[:, np.arange(32) ^ o]).astype(f32)
         sums.append(seq_sum(w[:, 0]))
@@ -66,13 +72,7 @@ def draw(e: np.ndarray, u: float) -> int:
         if f32(run + m) > target and m > 0:
             break
         run = f32(run + m)
-    rows = np.zeros(SEG, f32)
-    part_e = e[s * SEG:(s + 1) * SEG]
-    rows[:len(part_e)] = part_e
-    rows = rows.reshape(THREADS, 8)
-    part = rows[:, 0].copy()
-    for j in range(1, 8):
-        part = (part + rows[:, j]).astype(f32)
+    rows, part = thread_chunks(e, s)
     incl = block_scan(part)
     rest = min(f32(target - run), np.nextafter(incl[-1], f32(0)))
     excl = np.concatenate([[f32(0)], incl[:-1]])
