@@ -110,6 +110,23 @@ def test_prefill_sdpa_matches_reference_on_cpu(start, S):
                                rtol=2e-3, atol=2e-3)
 
 
+def test_prefill_sdpa_never_takes_cudnn(monkeypatch):
+    """cuDNN's attention builds a graph per sequence length (41 ms each on an H200): a new prompt length would wait
+    for it, so SDPA runs with that backend off (and is left as it was after)."""
+    import kernels_cu.attention_prefill as ap
+
+    seen = []
+    sdpa = ap.F.scaled_dot_product_attention
+    monkeypatch.setattr(ap.F, "scaled_dot_product_attention",
+                        lambda *a, **k: (seen.append(torch.backends.cuda.cudnn_sdp_enabled()), sdpa(*a, **k))[1])
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(1, 2, 16, 64, generator=g).half() for _ in range(2))
+    for start in (0, 4):  # plain causal, and the lower-right bias after a cached prefix
+        attention_prefill(torch.randn(4, 2, 64, generator=g).half(), k, v, 0, start)
+    assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_int8_head_warps():
     """The int8 lm_head's blocks: 4 warps for one token tile up to w8a16_four_warp_max_k (Llama-3.2-1B's 2,048),
     else 8; 0 turns the 4-warp entry off."""
