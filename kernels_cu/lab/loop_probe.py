@@ -1,12 +1,12 @@
 """Where the generation loop's time goes beside the engine's (a lab probe, imported by no product code).
 
-    python -m kernels_cu.lab.loop_probe loop [--model llama3.2-1b] [--scheme awq] [--gen-len 64]
+    python -m kernels_cu.lab.loop_probe loop [--model llama3.2-1b] [--scheme awq] [--gen-len 64] [--depths 2,3,4]
     python -m kernels_cu.lab.loop_probe ttft [--model ...] [--warm none,256,full]
 
-`loop`: generate() at batch 1, the host time of each part of its decode (opening the pipe, launches, waits for
-tokens, set_length, the rest: detokenizing and stop checks) beside the engine's graph-replayed step.
-`--on-stream` runs generate() on fllama's own stream (no caller-stream ordering around each launch); `--depths`
-replays the loop at other pipe depths.
+`loop`: generate() at batch 1 (`--sampling`) against the engine's graph-replayed step: its decode time at each pipe
+depth, called from torch's stream and from fllama's own (no caller-stream ordering around each launch), then the
+host time of each part of its decode (opening the pipe, launches, their control copies and publish_ids, waits for
+tokens, set_length; the rest is detokenizing and stop checks).
 `ttft`: in a fresh process per warm-up setting, the first three requests' time to first token (prompt lengths
 L, L + 1, L + 2: each a new prefill shape), so a per-process first-request cost shows apart from a per-shape one.
 """
@@ -97,14 +97,14 @@ def probe_loop(args) -> list[dict]:
     gcfg = GenerationConfig(max_new_tokens=cfg.gen_len, sampling=cfg.sampling, stop_at_eos=False)
     prompt = _prompt(engine.config.vocab_size, cfg.prompt_len, 0)
     engine_ms = (cfg.gen_len - 1) * 1e3 / step["decode_tok_s"]
-    rows = []
+    rows, cfg0 = [], engine.cfg
     for depth in [int(d) for d in args.depths.split(",")]:
         engine.cfg = dataclasses.replace(engine.cfg, pipe_depth=depth)  # read by each new pipe
         for on_stream in (False, True):
             ms = _loop_ms(engine, tok, prompt, gcfg, args.runs, on_stream)
             rows.append({"depth": depth, "on_stream": on_stream, "engine_ms": round(engine_ms, 3),
                          "loop_decode_ms": round(ms, 3), "ratio": round(engine_ms / ms, 4)})
-    engine.cfg = dataclasses.replace(engine.cfg, pipe_depth=3)
+    engine.cfg = cfg0
     rows.append(_loop_parts(engine, tok, prompt, gcfg, args.runs, engine_ms))
     return rows
 
