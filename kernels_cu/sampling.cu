@@ -203,6 +203,12 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
     float m = best.v;
     const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
     const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);  // this block's segments
+    // the row's max from every block's winner (win_v / win_i, stored before a cluster barrier this block has passed)
+    const auto take_cluster_max = [&]() {
+        best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
+        argmax = best.i < V ? best.i : 0;
+        m = best.v;
+    };
 
     if (!row.scaled) {
         token = argmax;
@@ -213,10 +219,8 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
                 sh.sel.win_v = best.v;
                 sh.sel.win_i = best.i;
             }
-            cluster_sync();  // every block's winner is in: each takes the row's max
-            best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
-            argmax = best.i < V ? best.i : 0;
-            m = best.v;
+            cluster_sync();  // every block's winner is in
+            take_cluster_max();
         }
         gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, nullptr, nullptr,
                       CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
@@ -239,11 +243,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             if (CL) cluster_sync();
             else __syncthreads();
         }
-        if (CL) {  // the row's max from every block's winner: the segment sums and block 0's draw need m
-            best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
-            argmax = best.i < V ? best.i : 0;
-            m = best.v;
-        }
+        if (CL) take_cluster_max();  // the segment sums and block 0's draw need m
         unsigned long long* const cand = CL ? cluster_ptr(sh.sel.cand, 0) : sh.sel.cand;
         int* const n_cand = CL ? cluster_ptr(&sh.sel.n_cand, 0) : &sh.sel.n_cand;
         if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, cand, n_cand);
