@@ -1,6 +1,7 @@
 // The candidates of sampling.cu's top-k / top-p draw: a radix select (8-bit digits, shared-memory histograms)
-// finds the k-th largest key, then every token at or above it is gathered (with the softmax mass of the whole row,
-// per 8,192-token segment, which the temperature-only draw also uses).
+// finds the bin of the k-th largest key, digit by digit until that bin and the keys above it fit CAND_CAP (one or two
+// digits, typically), then every token at or above the bin is gathered (with the softmax mass of the whole row, per
+// 8,192-token segment, which the temperature-only draw also uses); the draw cuts the sorted candidates at the k-th.
 // Over one block, or over a thread-block cluster of P blocks (sm_90), each block walking its own segments: per
 // digit the P histograms are summed by every block (each reads the others' over distributed shared memory and picks
 // the same digit), and the candidates and segment sums are pushed into block 0, which sorts and draws alone.
@@ -27,9 +28,9 @@ struct SelectShared {
     float segw[SEG_GROUP * 32];         // a segment's per-warp sums
     float seg[SEG_MAX];                 // segment sums, in block 0
     float win_v, z_full;
-    int win_i, n_cand, remaining, tie;
+    int win_i, n_cand, n_nan, remaining, tie, greater;
     uint32_t digit;
-    bool done;
+    bool done, fits;
 };
 
 // Warp 0 picks the bin holding the `remaining`-th largest key among 256 bins (descending order).
@@ -58,6 +59,8 @@ __device__ void choose_digit(const int* hist, SelectShared& sh) {
                 sh.remaining = need - above;
                 sh.tie = cnt[j];
                 sh.done = cnt[j] == need - above;  // the whole bin is taken: lower digits need not be resolved
+                sh.fits = sh.greater + above + cnt[j] <= CAND_CAP;  // the bin and every key above it
+                sh.greater += above;
             }
             above += cnt[j];
         }
@@ -122,25 +125,33 @@ struct Threshold {
     int passes;
 };
 
-// The k-th largest key (keys >= it: the top k and the ties with the k-th). Where those ties would overflow
-// CAND_CAP, the select goes on over ~token among them: the lowest indices are kept, the same ones for any P.
+// A bound on the k-th largest key: keys >= it are the top k, the ties with the k-th, and, where the digit that
+// placed the k-th key leaves at most CAND_CAP keys at or above its bin, the rest of that bin (sampling.cu's draw
+// keeps the top k and their ties of the sorted candidates). Where the ties with the k-th would overflow CAND_CAP,
+// the select goes on over ~token among them: the lowest indices are kept, the same ones for any P.
 // The caller has histogrammed the first digit into hist[0] (clear_hist(sh, 0), then the max pass) when k < V.
 template <typename T>
 __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int s_hi, int P, SelectShared& sh) {
     Threshold t{0u, 0u, 0};
     if (k >= V) return t;
-    if (threadIdx.x == 0) sh.remaining = k;
+    if (threadIdx.x == 0) {
+        sh.remaining = k;
+        sh.greater = 0;  // keys above the bins chosen so far
+    }
     Prefix q{0u, 0u, 0u, 0u};
     for (int shift = 24; shift >= 0; shift -= 8) {
         select_pass<false>(row, V, s_lo, s_hi, P, q, shift, t.passes, t.passes > 0, sh);
         ++t.passes;
         q.ph |= sh.digit << shift;
         q.mh |= 255u << shift;
-        if (sh.done) break;  // every key with this prefix is in: lower bits of the threshold stay 0
+        // the chosen bin and every key above it fit the candidates: gather them all (keys >= the bin's least, the
+        // threshold's lower bits 0), and the draw keeps the k largest and their ties once they are sorted. Without
+        // this, 1-2 more passes of the row (each a cluster barrier) to pin the k-th key down.
+        if (sh.fits) break;
     }
     t.hi = q.ph;
-    const int greater = k - sh.remaining;  // keys above the k-th (when the last digit left ties)
-    if (sh.done || greater + sh.tie <= CAND_CAP) return t;
+    const int greater = k - sh.remaining;  // keys above the chosen bin
+    if (greater + sh.tie <= CAND_CAP) return t;
     __syncthreads();  // every thread has read remaining / tie / done
     if (threadIdx.x == 0) sh.remaining = CAND_CAP - greater;
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -154,16 +165,26 @@ __device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int
     return t;
 }
 
-// Token v of value x into `cand` through the slot counter `n_cand` when it is a candidate: not NaN, and key > t.hi,
-// or key == t.hi and ~token >= t.lo (bound: one 64-bit compare of the sort key). A predicated atomic: the compiler
-// aggregates a warp's candidates into one, and a token that is none costs a compare, not a warp vote; slots come in
-// any order, the sort orders them.
-__device__ __forceinline__ void push_candidate(float x, int v, unsigned long long bound, unsigned long long* cand,
-                                               int* n_cand) {
-    const unsigned long long c = ((unsigned long long)float_key(x) << 32) | (0xffffffffu - (uint32_t)v);
-    if (c >= bound && !isnan(x)) {
-        const int slot = atomicAdd(n_cand, 1);
-        if (slot < CAND_CAP) cand[slot] = c;
+// Where the candidates go: block 0's slots and counters (in another block of the cluster, or this one).
+struct CandSink {
+    unsigned long long* cand;
+    int* n_cand;
+    int* n_nan;  // NaNs whose key is above +inf's: the select ranked them above every number, the draw skips them
+};
+
+// Token v of value x into the sink when it is a candidate: not NaN, and key > t.hi, or key == t.hi and ~token >= t.lo
+// (bound: one 64-bit compare of the sort key). Predicated atomics: the compiler aggregates a warp's candidates into
+// one, and a token that is none costs a compare, not a warp vote; slots come in any order, the sort orders them.
+__device__ __forceinline__ void push_candidate(float x, int v, unsigned long long bound, CandSink out) {
+    const uint32_t key = float_key(x);
+    if (isnan(x)) {
+        if (key > float_key(INFINITY)) atomicAdd(out.n_nan, 1);
+        return;
+    }
+    const unsigned long long c = ((unsigned long long)key << 32) | (0xffffffffu - (uint32_t)v);
+    if (c >= bound) {
+        const int slot = atomicAdd(out.n_cand, 1);
+        if (slot < CAND_CAP) out.cand[slot] = c;
     }
 }
 
@@ -172,28 +193,27 @@ __device__ __forceinline__ unsigned long long candidate_bound(Threshold t) {
 }
 
 // Top-k rows (top_k > 0) draw from the candidates' own mass, not the row's: this block's segments' candidates alone
-// (cand / n_cand may be block 0's), a token whose penalized logit is under the threshold's logit_bounds skipping
-// the division.
+// (the sink may be block 0's), a token whose penalized logit is under the threshold's logit_bounds skipping the
+// division.
 template <typename T>
-__device__ void gather_top_k(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, unsigned long long* cand,
-                             int* n_cand) {
+__device__ void gather_top_k(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, CandSink out) {
     const unsigned long long bound = candidate_bound(t);
     const LogitBounds lb = logit_bounds(t.hi, 0xffffffffu, row.inv_temp_div, row.scaled);
     for_each_segment(row, V, s_lo, s_hi, [&](int v, float l, bool ok) {
         if (!ok) return;
         l = row.penalized(v, l);
         if (l <= lb.lo) return;  // under the k-th value
-        push_candidate(row.scale(l), v, bound, cand, n_cand);
+        push_candidate(row.scale(l), v, bound, out);
     }, [](int) {});
 }
 
 // Top-p rows (CAND) and temperature-only rows: each segment's sum of exp(x - m) over this block's segments (8 tokens
 // a thread in order, the warp's xor tree, the 32 warps in order: one order whichever block walks it) into
-// seg_dst[s] (block 0's, maybe in another block of the cluster), and with CAND the candidates (push_candidate;
-// cand / n_cand block 0's too).
+// seg_dst[s] (block 0's, maybe in another block of the cluster), and with CAND the candidates (push_candidate; the
+// sink block 0's too).
 template <bool CAND, typename T>
 __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, float m, SelectShared& sh,
-                       unsigned long long* cand, int* n_cand, float* seg_dst) {
+                       CandSink out, float* seg_dst) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned long long bound = candidate_bound(t);
     for (int g = s_lo; g < s_hi; g += SEG_GROUP) {
@@ -203,7 +223,7 @@ __device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t
             if (!ok) return;
             const float x = row.value_of(v, l);
             zc += expf(x - m);
-            if (CAND) push_candidate(x, v, bound, cand, n_cand);
+            if (CAND) push_candidate(x, v, bound, out);
         }, [&](int s) {
             const float w = warp_sum(zc);
             if (lane == 0) sh.segw[(s - g) * 32 + warp] = w;

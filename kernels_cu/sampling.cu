@@ -18,8 +18,8 @@
 // whose mass before each kept token is < top_p, and draw from the softmax of what is left.
 //   - top_k > 0 or top_p < 1: a radix select (sample_select.cuh; its first digit counted in the max pass) finds
 //     the k-th largest value (k = top_k, or MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties,
-//     the lowest indices beyond) are bitonic-sorted in shared memory, and one warp scans them for the nucleus and
-//     the draw. With top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
+//     the lowest indices beyond) are sorted by a bitonic network held in registers (sample_sort.cuh), and the
+//     block scans them for the nucleus and the draw. With top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
 //     normalised over the whole vocabulary, summed over fixed 8,192-token segments so that a cluster's sum is the
 //     one block's).
 //   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order, in two levels:
@@ -37,6 +37,7 @@
 #include "common.cuh"
 #include "philox.cuh"
 #include "sample_select.cuh"
+#include "sample_sort.cuh"
 #include "sample_values.cuh"
 
 using namespace fllama;
@@ -44,6 +45,7 @@ using namespace fllama;
 constexpr int SAMPLE_THREADS = 1024;
 constexpr int EOS_EARLY = 4;  // end-of-sequence ids read before the PDL wait (more are read after it)
 static_assert(SAMPLE_THREADS == SEG_CHUNKS, "the select walks a segment as one 8-token chunk a thread");
+static_assert(CAND_CAP <= 2 * SAMPLE_THREADS, "the sort holds two candidates a thread");
 
 struct Shared {
     float fv[32];
@@ -54,6 +56,7 @@ struct Shared {
     float part_v[CLUSTER_MAX], part_i[CLUSTER_MAX];  // _cl, block 0: the other blocks' winners (cluster_argmax)
     int eos[EOS_EARLY];  // thread 0's, from before the wait (shared memory: no registers held through the row)
     int new_length;
+    uint32_t kth;      // the draw's k-th largest value key
     SelectShared sel;  // top-k / top-p
 };
 
@@ -128,6 +131,53 @@ __device__ int draw_whole(const Row<T>& row, int V, int segs, float m, unsigned 
     }
     __syncthreads();
     return sh.pick != 0x7fffffff ? sh.pick : argmax;
+}
+
+// The top-k / top-p draw from block 0's n candidates: sorted (sample_sort.cuh), cut to the k largest keys (NaNs above
+// every number counted among them, as the select counts them) and their ties (the select may gather more), each thread's two slots weighed exp(x - m) and scanned over the block in sorted
+// order. The nucleus keeps slot i while the mass before it is below top_p times the mass: the row's (z_full) with
+// top-p alone, the candidates' with top-k. The target, drawn in the kept mass, picks the first slot whose running
+// mass passes it (the last kept one if rounding leaves none). Not inlined: at the 64-register cap of 1024 threads,
+// inlined it made the one-block entries spill.
+__device__ __noinline__ int draw_candidates(int n, int k, int top_k, float top_p, float z_full, float m,
+                                            unsigned long long seed, unsigned long long counter, int argmax,
+                                            Shared& sh) {
+    const int r = k - sh.sel.n_nan;  // the k-th key's slot + 1: NaNs the select ranked above every number are none
+    if (n == 0 || r <= 0) return argmax;  // block-uniform
+    const int tid = threadIdx.x, e = 2 * tid;
+    unsigned long long c0, c1;
+    sort_candidates(sh.sel.cand, n, &c0, &c1);
+    if (r < n) {  // the slots whose value is at least the k-th's: a prefix
+        if (e == r - 1) sh.kth = (uint32_t)(c0 >> 32);
+        if (e + 1 == r - 1) sh.kth = (uint32_t)(c1 >> 32);
+        __syncthreads();
+        const uint32_t kth = sh.kth;
+        n = __syncthreads_count(e < n && (uint32_t)(c0 >> 32) >= kth) +
+            __syncthreads_count(e + 1 < n && (uint32_t)(c1 >> 32) >= kth);
+    }
+    const auto weight = [&](unsigned long long c, int i) {
+        return i < n ? expf(key_float((uint32_t)(c >> 32)) - m) : 0.0f;
+    };
+    const float w0 = weight(c0, e), w1 = weight(c1, e + 1);
+    const float incl1 = block_inclusive_scan(w0 + w1, sh.incl, sh.fv);  // its barriers publish the sort's cand too
+    const float excl0 = tid > 0 ? sh.incl[tid - 1] : 0.0f, incl0 = excl0 + w0;
+    int kept = n;
+    if (top_p < 1.0f) {  // slots kept form a prefix: the running mass never falls
+        const float limit = top_p * (top_k > 0 ? sh.incl[blockDim.x - 1] : z_full);
+        kept = max(__syncthreads_count(e < n && excl0 < limit) + __syncthreads_count(e + 1 < n && incl0 < limit), 1);
+    }
+    if (tid == 0) sh.pick = 0x7fffffff;
+    if (e == kept - 1) sh.rest = incl0;  // the kept mass
+    if (e + 1 == kept - 1) sh.rest = incl1;
+    __syncthreads();
+    const float s = sh.rest;
+    float target = uniform01(seed, counter) * s;
+    if (target >= s) target = nextafterf(s, 0.0f);
+    if (e < kept && incl0 > target) atomicMin(&sh.pick, e);
+    else if (e + 1 < kept && incl1 > target) atomicMin(&sh.pick, e + 1);
+    __syncthreads();
+    const int i = sh.pick != 0x7fffffff ? sh.pick : kept - 1;
+    return (int)(0xffffffffu - (uint32_t)(sh.sel.cand[i] & 0xffffffffull));
 }
 
 // CL: the _cl entries (grid (P, n), a cluster of P blocks a row), else one block a row (grid (n)).
@@ -222,8 +272,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             cluster_sync();  // every block's winner is in
             take_cluster_max();
         }
-        gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, nullptr, nullptr,
-                      CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
+        gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, CandSink{}, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
         if (CL) {
             cluster_sync();  // block 0 holds every segment's sum; nobody reads another block after it
             if (rank != 0) return;
@@ -236,6 +285,7 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             sh.sel.win_v = best.v;
             sh.sel.win_i = best.i;
             sh.sel.n_cand = 0;
+            sh.sel.n_nan = 0;
             sh.sel.z_full = 0.0f;  // top-k rows: no sum (the draw's mass is the candidates')
         }
         const Threshold t = radix_select(row, V, k, s_lo, s_hi, P, sh.sel);
@@ -244,10 +294,11 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             else __syncthreads();
         }
         if (CL) take_cluster_max();  // the segment sums and block 0's draw need m
-        unsigned long long* const cand = CL ? cluster_ptr(sh.sel.cand, 0) : sh.sel.cand;
-        int* const n_cand = CL ? cluster_ptr(&sh.sel.n_cand, 0) : &sh.sel.n_cand;
-        if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, cand, n_cand);
-        else gather<true>(row, V, s_lo, s_hi, t, m, sh.sel, cand, n_cand, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
+        const CandSink sink = CL ? CandSink{cluster_ptr(sh.sel.cand, 0), cluster_ptr(&sh.sel.n_cand, 0),
+                                            cluster_ptr(&sh.sel.n_nan, 0)}
+                                 : CandSink{sh.sel.cand, &sh.sel.n_cand, &sh.sel.n_nan};
+        if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, sink);
+        else gather<true>(row, V, s_lo, s_hi, t, m, sh.sel, sink, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
         if (CL) {
             cluster_sync();  // block 0 holds every candidate and segment sum; nobody reads another block after it
             if (rank != 0) return;
@@ -255,80 +306,8 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         __syncthreads();  // the candidates and segment sums are in
         if (tid == 0 && top_k == 0) sh.sel.z_full = segments_total(sh.sel.seg, segs);
         __syncthreads();  // z_full is in
-        const float z_full = sh.sel.z_full;
-        const int n = min(sh.sel.n_cand, CAND_CAP);
-        int n2 = 1;
-        while (n2 < n) n2 <<= 1;
-        for (int i = n + tid; i < n2; i += blockDim.x) sh.sel.cand[i] = 0ull;
-        __syncthreads();
-        // bitonic sort, descending: largest key first, lowest index first among equal keys
-        for (int size = 2; size <= n2; size <<= 1) {
-            for (int stride = size >> 1; stride > 0; stride >>= 1) {
-                for (int i = tid; i < n2 / 2; i += blockDim.x) {
-                    const int a = 2 * stride * (i / stride) + (i % stride), c = a + stride;
-                    const bool desc = (a & size) == 0;
-                    const unsigned long long x = sh.sel.cand[a], y = sh.sel.cand[c];
-                    if (desc ? x < y : x > y) {
-                        sh.sel.cand[a] = y;
-                        sh.sel.cand[c] = x;
-                    }
-                }
-                __syncthreads();
-            }
-        }
-        if (tid < 32) {
-            // one warp: lane l scans candidates [l*cs, l*cs + cs) in sorted order
-            const int lane = tid, cs = (n + 31) / 32;
-            const int c0 = min(n, lane * cs), c1 = min(n, c0 + cs);
-            float local = 0.0f;
-            for (int i = c0; i < c1; ++i) local += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
-            float incl = local;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const float t = __shfl_up_sync(FULL_MASK, incl, o);
-                if (lane >= o) incl += t;
-            }
-            float excl = __shfl_up_sync(FULL_MASK, incl, 1);
-            if (lane == 0) excl = 0.0f;
-            const float z_k = __shfl_sync(FULL_MASK, incl, 31);
-            const float z = top_k > 0 ? z_k : z_full;
-            // nucleus: keep i while the mass before it is < top_p (a prefix of the sorted candidates)
-            int kept = n;
-            if (top_p < 1.0f) {
-                const float limit = top_p * z;
-                int cnt = 0;
-                float run = excl;
-                for (int i = c0; i < c1; ++i) {
-                    if (run < limit) ++cnt;
-                    run += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
-                }
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL_MASK, cnt, o);
-                kept = max(cnt, 1);
-            }
-            float s_part = 0.0f;
-            for (int i = c0; i < min(c1, kept); ++i) s_part += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
-            const float s = warp_sum(s_part);
-            float target = uniform01(seed, counter) * s;
-            if (target >= s) target = nextafterf(s, 0.0f);
-            int found = 0x7fffffff;
-            float run = excl;
-            for (int i = c0; i < min(c1, kept); ++i) {
-                run += expf(key_float((uint32_t)(sh.sel.cand[i] >> 32)) - m);
-                if (run > target) {
-                    found = i;
-                    break;
-                }
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) found = min(found, __shfl_xor_sync(FULL_MASK, found, o));
-            if (lane == 0) {
-                const int i = found != 0x7fffffff ? found : kept - 1;
-                sh.pick = n > 0 ? (int)(0xffffffffu - (uint32_t)(sh.sel.cand[i] & 0xffffffffull)) : argmax;
-            }
-        }
-        __syncthreads();
-        token = sh.pick;
+        token = draw_candidates(min(sh.sel.n_cand, CAND_CAP), k, top_k, top_p, sh.sel.z_full, m, seed, counter,
+                                argmax, sh);
     }
 
     if (tid == 0) {

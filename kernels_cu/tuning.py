@@ -56,13 +56,13 @@ class Tuning:
     # Blocks a row's max/argmax pass runs over, as one thread-block cluster (sm_90; 0 or 1: one block a row): one
     # block walks 128k logits on one SM at ~12 instructions a token. H200, greedy at 128,256 tokens: 13.0 us on one
     # block, 5.5 on 8, 6.3 on 16; Llama-3-8B awq batch 1 +0.9% (8) / +0.7% (16), Llama-3.2-1B +1.6% / +1.4%. The radix
-    # select and gather of top-k / top-p run over the cluster too: generate's defaults 23.1 us on 8 against 61.8 on
-    # one block, top-p 0.9 55.5 against 123.9.
+    # select and gather of top-k / top-p run over the cluster too: generate's defaults 21.3 us on 8 against 59.5 on
+    # one block, top-p 0.9 35.9 against 91.4.
     sample_cluster_blocks: int = 8
     # ... for vocabularies of at least this many tokens. The greedy pass alone gains from ~40,000 (H200: 32,000 tokens
     # 5.2 us on one block against 5.5 on 8; 49,152: 6.6 against 4.3), but the launch serves every sampling config of
-    # the graph, and the sampled ones gain at 32,000 too (generate's defaults 19.6 us on 8 against 27.3, top-p 0.9
-    # 50.9 against 61.7).
+    # the graph, and the sampled ones gain at 32,000 too (a cluster's select and gather: 8 blocks walk 4,000 tokens
+    # each where one walks 32,000).
     sample_cluster_min_vocab: int = 32_000
     # -- AWQ int4 linears (awq_gemv.py, awq_batch.py, awq_wgmma_decode.py, awq_gemm.py) --
     # Above this many rows the GEMV family re-reads the weight too often: dequantize once and use a GEMM.
