@@ -72,6 +72,14 @@ def _context():
         return ctx
 
 
+def thread_hooks() -> tuple:
+    """(enter, exit) for a thread other than the main one that launches fllama's kernels (a server's scheduler):
+    PyCUDA keeps a context stack per thread and loads a module only where the stack holds the context, so such a
+    thread pushes it (the primary one, which torch uses too) first and pops it last."""
+    ctx = _context()
+    return ctx.push, type(ctx).pop
+
+
 # ---------------------------------------------------------------- streams
 
 def stream():

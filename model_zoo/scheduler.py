@@ -32,6 +32,11 @@ from model_zoo.text_stream import TextStream
 from model_zoo.ticket import GenRequest, Overloaded, Ticket, Unavailable
 
 
+# prompt lengths a warm-up prefills (and a whole chunk): the GPU engine's prefill GEMMs change kernels with the
+# tokens they take (a GEMV up to 16, batched GEMVs to 64, tensor-core GEMMs beyond), one kernel file each
+WARM_LENGTHS = (8, 24, 48, 96)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch: int = 8  # KV-cache slots: requests decoding at once
@@ -118,6 +123,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._touched: set[Ticket] = set()
+        self.warm_up_s: float | None = None  # the warm-up's seconds, once it has run (GPU backends)
+        self.warm_up_error: BaseException | None = None  # why it stopped early (graphs are then captured on use)
         self._thread = threading.Thread(target=self._run, name="fllama-scheduler", daemon=True)
 
     # -- the callers' side ----------------------------------------------------------------------------------
@@ -188,6 +195,7 @@ class Scheduler:
             if self.thread_hooks is not None:
                 self.thread_hooks[0]()
                 entered = True
+            self._warm_up()
             while True:
                 with self._cv:
                     self._cv.wait_for(lambda: self._closing or self._has_work())
@@ -207,6 +215,29 @@ class Scheduler:
             self._fail_open(Unavailable("the server stopped before this request finished"))
             if entered:
                 self.thread_hooks[1]()
+
+    def _warm_up(self) -> None:
+        """Before the first request, where the pipe captures graphs (the GPU engine): prefills of WARM_LENGTHS
+        tokens and a whole chunk (each size class of the prefill kernels) and a first-token draw load their kernels
+        (on a machine that has not built them yet, compile them: seconds, then cached), and the pipe captures every
+        decode graph the slots may need. Requests that come meanwhile wait in the queue. A failure is kept in
+        warm_up_error, and whatever is missing is then made on first use, as without a warm-up."""
+        capture = getattr(self.pipe, "warm_up", None)
+        if capture is None:
+            return
+        t0, ctx = time.perf_counter(), self.cfg.max_context
+        try:
+            for n in sorted({min(n, self.cfg.prefill_chunk, ctx - 1) for n in (*WARM_LENGTHS, ctx)} - {0}):
+                self.pipe.set_length(0, 0)
+                ids = torch.zeros((1, n), dtype=torch.long, device=self.backend.device)
+                logits = self.backend.forward(ids, self.cache, torch.tensor([0]), last=True)  # [1, 1, V]
+                self.sampler.sample(logits[:, -1], [0])  # row 0's state is set afresh by its first request
+            self.pipe.set_length(0, 0)
+            capture()
+        except Exception as e:  # noqa: BLE001 - a server without a warm-up still serves
+            self.warm_up_error = e
+            self.pipe = open_pipe(self.backend, self.cache, self.sampler)
+        self.warm_up_s = time.perf_counter() - t0
 
     def _has_work(self) -> bool:
         return bool(self._cancelled or self._waiting or self._prefilling or self._running or self._inflight)

@@ -232,3 +232,50 @@ def test_torch_sampler_rows_keep_their_own_settings_and_seed():
     assert [d[0] for d in draws_a] == [d[0] for d in draws_b]  # slot 0 in one batch, slot 2 alone
     assert len({d[0] for d in draws_a}) > 2 and {d[1] for d in draws_a} == {int(logits[0].argmax())}
     assert row_seed(9, 0) == 9 and row_seed(9, 1) != row_seed(9, 2)
+
+
+class WarmPipe(LatePipe):
+    """A LatePipe that captures graphs, as the GPU engine's does: warm_up() records what ran before it (or fails)."""
+
+    def __init__(self, backend, cache, sampler, log: list, fail: bool):
+        super().__init__(backend, cache, sampler, 2)
+        self.log, self.fail = log, fail
+
+    def warm_up(self):
+        self.log.append(("warm_up", [int(n) for n in self.cache.lengths]))
+        if self.fail:
+            raise RuntimeError("out of memory")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_warm_up_runs_before_the_first_request_and_leaves_no_trace(fail, monkeypatch):
+    log = []
+
+    class Warm(Late):
+        def decode_pipe(self, cache, sampler):
+            return WarmPipe(self._m, cache, sampler, log, fail)
+
+    real = MODEL.forward
+
+    def logged(tokens, cache=None, rows=None, **kw):
+        log.append(("forward", tuple(tokens.shape)))
+        return real(tokens, cache, rows, **kw)
+
+    monkeypatch.setattr(MODEL, "forward", logged)
+    p = TOK.encode("warm")
+    want = alone(p, 12)  # before the log counts: generate() prefills too
+    log.clear()
+    s = Scheduler(Warm(MODEL, 2), TOK, SchedulerConfig(max_batch=2, max_context=64, prefill_chunk=16))
+    first_pipe = s.pipe
+    s.start()
+    try:
+        t = s.submit(GenRequest(tuple(p), 12, GREEDY, stop_at_eos=False))
+        assert t.wait(30) and t.tokens == want.tokens  # in slot 0, which the warm-up used, as alone
+        # each size class of prefill (up to a whole chunk, 16 here) into slot 0, its length put back, then the graphs
+        assert log[:3] == [("forward", (1, 8)), ("forward", (1, 16)), ("warm_up", [0, 0])]
+        assert log[3] == ("forward", (1, len(p)))  # the request's own prefill comes after
+        assert s.warm_up_s is not None and s.warm_up_s >= 0
+        assert (s.warm_up_error is not None) == fail and s.alive
+        assert (s.pipe is not first_pipe) == fail  # after a failed warm-up a fresh pipe took over, and served
+    finally:
+        s.close()

@@ -36,15 +36,12 @@ class ServeConfig:
 
 
 def device_thread_hooks(backend: Any) -> tuple[Callable[[], Any], Callable[[], Any]] | None:
-    """(enter, exit) for the scheduler's thread on the GPU engine: PyCUDA keeps a context stack per thread and loads
-    a kernel's module only in a thread whose stack holds the context, so that thread pushes fllama's context (the
-    primary one, which torch uses too) first and pops it last."""
+    """(enter, exit) for the scheduler's thread on the GPU engine (kernels_cu.cuda_context.thread_hooks)."""
     if getattr(getattr(backend, "device", None), "type", "cpu") != "cuda" or not hasattr(backend, "decode_pipe"):
         return None
     from kernels_cu import cuda_context
 
-    ctx = cuda_context._context()
-    return ctx.push, type(ctx).pop
+    return cuda_context.thread_hooks()
 
 
 class ClientGone(Exception):

@@ -17,7 +17,7 @@ import torch
 
 from kernels_cu import build
 from kernels_cu.engine.cache import GpuCache
-from kernels_cu.engine.config import bucket_of
+from kernels_cu.engine.config import BUCKETS, bucket_of
 from kernels_cu.engine.graphs import api
 from kernels_cu.engine.sampler import GpuRowSampler
 from kernels_cu.publish import publish_ids
@@ -124,14 +124,10 @@ class EnginePipe:
         if self._steps[slot] is not None:  # a step the loop never read: read it before its host slot is reused
             self._steps[slot].tokens()
         m = bucket_of(rows[-1] + 1)
-        view = leading_rows(self.cache, m)
-        sampler = leading_sampler(self.gpu, m, self._samplers)
         with build.on_stream():
             if self._dirty:
                 self._send_control(slot, rows)
-            graph = view.graphs.get("sampled")
-            if graph is None:
-                graph = view.graphs["sampled"] = self.capture(view, sampler)
+            graph = self._graph(m)
             graph[0].replay()
             publish_ids(self._host[slot, :m], graph[1])  # a kernel's stores, not a copy-engine transfer
             event = torch.cuda.Event()
@@ -140,6 +136,24 @@ class EnginePipe:
             self._lengths[r] += 1
         step = self._steps[slot] = GpuStep(rows, self._host[slot], event)
         return step
+
+    @api
+    def warm_up(self) -> None:
+        """Capture the decode graph of every bucket of leading rows this cache may decode as, while no step is in
+        flight: a capture synchronizes the device and runs the step once eagerly, so one made when a batch first
+        grows to a bucket stalls every row decoding beside it."""
+        with build.on_stream():
+            for m in BUCKETS:
+                if m <= self.cache.bucket:
+                    self._graph(m)
+
+    def _graph(self, m: int) -> tuple:
+        """(graph, its sampled ids) of rows 0..m-1, captured on first use (on fllama's stream)."""
+        view = leading_rows(self.cache, m)
+        graph = view.graphs.get("sampled")
+        if graph is None:
+            graph = view.graphs["sampled"] = self.capture(view, leading_sampler(self.gpu, m, self._samplers))
+        return graph
 
     def _send_control(self, slot: int, rows: tuple[int, ...]) -> None:
         """The joined rows and the first inputs of new ones, to the step buffers (on fllama's stream)."""

@@ -120,3 +120,36 @@ def test_warm_up_captures_the_request_graph_and_changes_no_token():
     chat = ChatSession(eng, tok, GenerationConfig(6, GREEDY, stop_at_eos=False), max_len=128)
     assert chat.warm_up() > 0.0 and int(chat.cache.lengths[0]) == 0
     assert chat.send("hi").text == ChatSession(stepwise, tok, chat.cfg, max_len=128).send("hi").text
+
+
+def test_a_scheduler_warms_up_every_bucket_before_its_first_request():
+    """`fllama serve`'s scheduler, before its first request: prefills and a draw load their kernels and the pipe
+    captures the decode graph of each bucket of leading rows its 8 slots may decode as (1, 2, 4, 8), so no request
+    stalls the others while one is captured; the slot it used then serves a request as if fresh."""
+    import time
+
+    from kernels_cu import cuda_context
+    from kernels_cu.engine.config import BUCKETS
+    from model_zoo.scheduler import Scheduler, SchedulerConfig
+    from model_zoo.ticket import GenRequest
+
+    eng, stepwise = engines("gqa4-d64", "awq")
+    tok = Tokenizer.byte_fallback(CONFIGS["gqa4-d64"].vocab_size)
+    prompt = tok.encode("after the warm-up")
+    want = generate(stepwise, tok, [prompt], GenerationConfig(12, GREEDY, stop_at_eos=False))[0][0].tokens
+    s = Scheduler(eng, tok, SchedulerConfig(max_batch=8, max_context=128, prefill_chunk=32),
+                  thread_hooks=cuda_context.thread_hooks()).start()
+    try:
+        deadline = time.monotonic() + 120
+        while s.warm_up_s is None:
+            assert time.monotonic() < deadline and s.alive, "no warm-up"
+            time.sleep(0.02)
+        assert s.warm_up_error is None, s.warm_up_error
+        cache = s.cache
+        for m in (b for b in BUCKETS if b <= cache.bucket):
+            assert (cache if m == cache.bucket else cache.views[m]).graphs.get("sampled") is not None, m
+        assert cache.lengths.tolist() == [0] * 8
+        t = s.submit(GenRequest(tuple(prompt), 12, GREEDY, stop_at_eos=False))
+        assert t.wait(60) and t.tokens == want
+    finally:
+        s.close()
