@@ -19,9 +19,9 @@
 //   - top_k > 0 or top_p < 1: a radix select (sample_select.cuh; its first digit counted in the max pass) finds
 //     the k-th largest value (k = top_k, or MAX_K when only top_p is set), the candidates (<= CAND_CAP with ties,
 //     the lowest indices beyond) are sorted by a bitonic network held in registers (sample_sort.cuh), and the
-//     block scans them for the nucleus and the draw. With top_p alone the nucleus is therefore limited to the MAX_K largest logits (the mass is still
-//     normalised over the whole vocabulary, summed over fixed 8,192-token segments so that a cluster's sum is the
-//     one block's).
+//     block scans them for the nucleus and the draw. With top_p alone the nucleus is therefore limited to the MAX_K
+//     largest logits (the mass is still normalised over the whole vocabulary, summed over fixed 8,192-token
+//     segments so that a cluster's sum is the one block's).
 //   - top_k == 0 and top_p == 1: an inverse-CDF draw over the whole vocabulary in index order, in two levels:
 //     each 8,192-token segment's mass (gather), then block 0 picks the segment and, by a block scan of the
 //     threads' 8-token chunks, the token in it.
@@ -134,11 +134,11 @@ __device__ int draw_whole(const Row<T>& row, int V, int segs, float m, unsigned 
 }
 
 // The top-k / top-p draw from block 0's n candidates: sorted (sample_sort.cuh), cut to the k largest keys (NaNs above
-// every number counted among them, as the select counts them) and their ties (the select may gather more), each thread's two slots weighed exp(x - m) and scanned over the block in sorted
-// order. The nucleus keeps slot i while the mass before it is below top_p times the mass: the row's (z_full) with
-// top-p alone, the candidates' with top-k. The target, drawn in the kept mass, picks the first slot whose running
-// mass passes it (the last kept one if rounding leaves none). Not inlined: at the 64-register cap of 1024 threads,
-// inlined it made the one-block entries spill.
+// every number counted among them, as the select counts them) and their ties (the select may gather more), each
+// thread's two slots weighed exp(x - m) and scanned over the block in sorted order. The nucleus keeps slot i while the
+// mass before it is below top_p times the mass: the row's (z_full) with top-p alone, the candidates' with top-k. The
+// target, drawn in the kept mass, picks the first slot whose running mass passes it (the last kept one if rounding
+// leaves none). Not inlined: at the 64-register cap of 1024 threads, inlined it made the one-block entries spill.
 __device__ __noinline__ int draw_candidates(int n, int k, int top_k, float top_p, float z_full, float m,
                                             unsigned long long seed, unsigned long long counter, int argmax,
                                             Shared& sh) {
@@ -272,7 +272,8 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
             cluster_sync();  // every block's winner is in
             take_cluster_max();
         }
-        gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, CandSink{}, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
+        gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, CandSink{},
+                      CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
         if (CL) {
             cluster_sync();  // block 0 holds every segment's sum; nobody reads another block after it
             if (rank != 0) return;
