@@ -125,6 +125,7 @@ class Scheduler:
         self._touched: set[Ticket] = set()
         self.warm_up_s: float | None = None  # the warm-up's seconds, once it has run (GPU backends)
         self.warm_up_error: BaseException | None = None  # why it stopped early (graphs are then captured on use)
+        self.warming_up = hasattr(self.pipe, "warm_up")  # until the thread's warm-up has run
         self._thread = threading.Thread(target=self._run, name="fllama-scheduler", daemon=True)
 
     # -- the callers' side ----------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ class Scheduler:
         """Slots and queue now (approximate: read without the scheduler's lock)."""
         running = len(self._running) + len(self._prefilling)
         return {"max_batch": self.cfg.max_batch, "running": running, "waiting": len(self._waiting),
-                "free_slots": len(self._free), "max_context": self.cfg.max_context}
+                "free_slots": len(self._free), "max_context": self.cfg.max_context, "warming_up": self.warming_up}
 
     # -- the scheduler's thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -238,6 +239,7 @@ class Scheduler:
             self.warm_up_error = e
             self.pipe = open_pipe(self.backend, self.cache, self.sampler)
         self.warm_up_s = time.perf_counter() - t0
+        self.warming_up = False
 
     def _has_work(self) -> bool:
         return bool(self._cancelled or self._waiting or self._prefilling or self._running or self._inflight)

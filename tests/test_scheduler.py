@@ -128,7 +128,8 @@ def test_lowest_free_slot_and_cancel_frees_it(sched):
     for t in (second, third):
         t.cancel()
         assert t.wait(10) and t.finish_reason == "cancelled"
-    assert sched.load() == {"max_batch": 4, "running": 0, "waiting": 0, "free_slots": 4, "max_context": 200}
+    assert sched.load() == {"max_batch": 4, "running": 0, "waiting": 0, "free_slots": 4, "max_context": 200,
+                            "warming_up": False}  # the CPU backend has no warm-up
 
 
 def test_bad_requests_are_refused_at_submit(sched):
@@ -267,6 +268,7 @@ def test_warm_up_runs_before_the_first_request_and_leaves_no_trace(fail, monkeyp
     log.clear()
     s = Scheduler(Warm(MODEL, 2), TOK, SchedulerConfig(max_batch=2, max_context=64, prefill_chunk=16))
     first_pipe = s.pipe
+    assert s.load()["warming_up"]  # /health says so from the start
     s.start()
     try:
         t = s.submit(GenRequest(tuple(p), 12, GREEDY, stop_at_eos=False))
@@ -274,7 +276,7 @@ def test_warm_up_runs_before_the_first_request_and_leaves_no_trace(fail, monkeyp
         # each size class of prefill (up to a whole chunk, 16 here) into slot 0, its length put back, then the graphs
         assert log[:3] == [("forward", (1, 8)), ("forward", (1, 16)), ("warm_up", [0, 0])]
         assert log[3] == ("forward", (1, len(p)))  # the request's own prefill comes after
-        assert s.warm_up_s is not None and s.warm_up_s >= 0
+        assert s.warm_up_s is not None and s.warm_up_s >= 0 and not s.load()["warming_up"]
         assert (s.warm_up_error is not None) == fail and s.alive
         assert (s.pipe is not first_pipe) == fail  # after a failed warm-up a fresh pipe took over, and served
     finally:
