@@ -15,6 +15,7 @@ from rich.table import Table
 
 from calibrate.outputs import OutputKind, prepare_output
 from fllama_cli.options import ForceOpt, JsonOpt, ModelArg, RandomOpt, SeedOpt, kv_kind
+from fllama_cli.runtime import build_kernels
 from fllama_cli.sampling import TopKOpt, TopPOpt, sampling_config
 from model_zoo.errors import ConfigError
 
@@ -84,6 +85,7 @@ def bench_cmd(
                                        sampling=sampling_config(temperature, top_k, top_p, 1.0, seed)),
                        baseline=baseline == Baseline.torch, random=random, seed=seed or 0, pdl=pdl,
                        fold_norms=fold_norms, fuse_rope=fuse_rope, kv=kv, lm_head_int8=lm_head_int8, loop=loop)
+    build_kernels()
     err = Console(stderr=True, highlight=False)
     rows, meta = run_bench(req, lambda msg: err.print(f"[dim]{escape(msg)}[/]"))
     if json_out:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fllama_cli.errors import err_console
 from fllama_cli.options import DeviceChoice
 from kernels_cu.kv_codes import KvKind
 from model_zoo.cpu_fast import CpuDtype
@@ -84,6 +86,7 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
     if dev == "cuda":
         from kernels_cu.engine import Engine, EngineConfig
 
+        build_kernels()
         cfg = EngineConfig(kv=kv, lm_head_int8=lm_head_int8, max_len=max_context or EngineConfig.max_len)
         backend = Engine.from_loaded(loaded, cfg)
     else:
@@ -94,3 +97,22 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
             weights = replace(weights, lm_head=int8_round_trip(weights.lm_head))
         backend = CpuModel(weights, weight_dtype=cpu_dtype or CpuDtype.FP16)  # laid out (AWQ dequantized) at load
     return Opened(loaded, backend, dev, lm_head_int8, load_s=time.perf_counter() - t0)
+
+
+def build_kernels() -> None:
+    """On a GPU machine that has not built fllama's CUDA kernels yet, build them all now, side by side, with a
+    progress bar on stderr (once per machine: the cubins are cached), rather than one at a time inside the first
+    run's prefill and decode. Without a GPU or nvcc it leaves the engine to say what is missing."""
+    from kernels_cu import build
+    from kernels_cu.cuda_context import find_nvcc
+
+    if not torch.cuda.is_available() or find_nvcc() is None:
+        return
+    arch = build.device_arch()
+    files = build.unbuilt(arch)
+    if not files:
+        return
+    with Progress(TextColumn(f"building the CUDA kernels for {arch} (once on this machine)"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task("build", total=len(files))
+        build.prebuild(arch, files, done=lambda _: bar.advance(task))

@@ -16,8 +16,9 @@ import re
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -102,16 +103,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLLAMA_CUDA_CACHE") or Path.home() / ".cache" / "fllama" / "cuda")
 
 
+def cubin_path(cu_file: str, arch: str, options: tuple[str, ...] = ()) -> Path:
+    """Where kernels_cu/<cu_file> built for `arch` with `options` is cached."""
+    return cache_dir() / f"{Path(cu_file).stem}-{arch}-{cache_key(cu_file, arch, options)[:24]}.cubin"
+
+
 def compile_cubin(cu_file: str, arch: str, options: tuple[str, ...] = ()) -> Path:
     """Compile kernels_cu/<cu_file> to a cached cubin for `arch`; returns its path."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise DeviceError("nvcc not found on PATH (install the CUDA toolkit)")
-    key = cache_key(cu_file, arch, options)
-    out_dir = cache_dir()
-    target = out_dir / f"{Path(cu_file).stem}-{arch}-{key[:24]}.cubin"
+    target = cubin_path(cu_file, arch, options)
     if target.exists():
         return target
+    out_dir = target.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".cubin", dir=out_dir)
     os.close(fd)
@@ -127,6 +132,30 @@ def compile_cubin(cu_file: str, arch: str, options: tuple[str, ...] = ()) -> Pat
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def unbuilt(arch: str) -> list[str]:
+    """The kernel files (kernels_cu/*.cu) with no cubin cached for `arch`, what a first run on a machine builds; on
+    Hopper only (sm_90a): elsewhere the Hopper-only files would not build, and each file builds when first used."""
+    if arch != "sm_90a":
+        return []
+    return [p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if not cubin_path(p.name, arch).exists()]
+
+
+def prebuild(arch: str, files: Sequence[str], workers: int | None = None,
+             done: Callable[[str], None] | None = None) -> None:
+    """Build `files` for `arch` at once, `workers` nvcc processes side by side (default: the cores, at most 8; one
+    takes ~0.5 GB): a first run on a machine otherwise builds each file when a kernel of it is first launched, one
+    after another (minutes in all, up to ~45 s a file). done(file) as each is cached."""
+    pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1))  # threads: each waits on its nvcc
+    try:
+        jobs = {pool.submit(compile_cubin, f, arch): f for f in files}
+        for job in as_completed(jobs):
+            job.result()
+            if done is not None:
+                done(jobs[job])
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after a failure or Ctrl-C, no file still queued starts
 
 
 def _module(cu_file: str, options: tuple[str, ...]):

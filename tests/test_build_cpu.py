@@ -201,6 +201,64 @@ def test_a_compile_error_is_a_device_error_with_nvccs_words(tmp_path, monkeypatc
     assert not list((tmp_path / "cache").glob("*"))  # no half-written cubin left behind
 
 
+def test_prebuild_builds_what_is_not_cached_side_by_side(tmp_path, monkeypatch):
+    """A first run on a Hopper machine builds every kernel file at once (nvcc stubbed: the files it would write,
+    how many run together); what is cached is not built again; other archs build each file when first used."""
+    import threading
+    import time
+
+    monkeypatch.setenv("FLLAMA_CUDA_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "nvcc_version", lambda: "stub")
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fake_compile(cu_file, arch, options=()):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        path = build.cubin_path(cu_file, arch, options)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\x7fELF")
+        with lock:
+            running[0] -= 1
+        return path
+
+    monkeypatch.setattr(build, "compile_cubin", fake_compile)
+    todo = build.unbuilt("sm_90a")
+    assert todo == sorted(CU_FILES) and build.unbuilt("sm_80") == []
+    done = []
+    build.prebuild("sm_90a", todo, workers=4, done=done.append)
+    assert sorted(done) == todo and peak[0] > 1 and build.unbuilt("sm_90a") == []
+    (tmp_path / next(tmp_path.glob("sampling-*.cubin")).name).unlink()
+    assert build.unbuilt("sm_90a") == ["sampling.cu"]
+
+    def failing(cu_file, arch, options=()):
+        raise DeviceError(f"nvcc failed on {cu_file} for {arch}: boom")
+
+    monkeypatch.setattr(build, "compile_cubin", failing)
+    with pytest.raises(DeviceError, match="boom"):
+        build.prebuild("sm_90a", ["sampling.cu"], workers=2)
+
+
+def test_build_kernels_prebuilds_only_on_a_gpu_with_nvcc(monkeypatch):
+    from fllama_cli import runtime
+
+    calls = []
+    monkeypatch.setattr(build, "prebuild", lambda arch, files, done=None: calls.append((arch, files)))
+    monkeypatch.setattr(build, "unbuilt", lambda arch: ["a.cu", "b.cu"])
+    monkeypatch.setattr(build, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runtime.build_kernels()
+    assert calls == []  # the engine says what is missing
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kernels_cu.cuda_context.find_nvcc", lambda: "/usr/bin/nvcc")
+    runtime.build_kernels()
+    assert calls == [("sm_90a", ["a.cu", "b.cu"])]
+    monkeypatch.setattr(build, "unbuilt", lambda arch: [])
+    runtime.build_kernels()
+    assert len(calls) == 1  # all cached: nothing to do
+
+
 # ---------------------------------------------------------------- the torch references (CPU)
 
 def test_quantize_ref_known_answer():

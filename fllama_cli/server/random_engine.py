@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from fllama_cli.options import DeviceChoice
-from fllama_cli.runtime import Opened, pick_device
+from fllama_cli.runtime import Opened, build_kernels, pick_device
 from kernels_cu.kv_codes import KvKind
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import ConfigError
@@ -25,6 +25,7 @@ def open_random_engine(preset: str, scheme: str, *, seed: int | None, kv: KvKind
 
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r}; schemes: {', '.join(SCHEMES)}")
+    build_kernels()
     config = LlamaConfig.from_name(preset).with_context(max_context)
     device = torch.device("cuda", torch.cuda.current_device())
     weights = random_weights(config, scheme, device, seed or 0)
