@@ -112,7 +112,10 @@ def build_kernels() -> None:
     files = build.unbuilt(arch)
     if not files:
         return
-    with Progress(TextColumn(f"building the CUDA kernels for {arch} (once on this machine)"), BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True) as bar:
+    t0 = time.perf_counter()
+    err_console.print(f"[dim]building {len(files)} CUDA kernel files for {arch}: once on this machine, then cached[/]")
+    with Progress(TextColumn("building"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bar:
         task = bar.add_task("build", total=len(files))
         build.prebuild(arch, files, done=lambda _: bar.advance(task))
+    err_console.print(f"[dim]built in {time.perf_counter() - t0:.0f} s[/]")

@@ -240,7 +240,7 @@ def test_prebuild_builds_what_is_not_cached_side_by_side(tmp_path, monkeypatch):
         build.prebuild("sm_90a", ["sampling.cu"], workers=2)
 
 
-def test_build_kernels_prebuilds_only_on_a_gpu_with_nvcc(monkeypatch):
+def test_build_kernels_prebuilds_only_on_a_gpu_with_nvcc(monkeypatch, capsys):
     from fllama_cli import runtime
 
     calls = []
@@ -254,6 +254,7 @@ def test_build_kernels_prebuilds_only_on_a_gpu_with_nvcc(monkeypatch):
     monkeypatch.setattr("kernels_cu.cuda_context.find_nvcc", lambda: "/usr/bin/nvcc")
     runtime.build_kernels()
     assert calls == [("sm_90a", ["a.cu", "b.cu"])]
+    assert "building 2 CUDA kernel files for sm_90a" in capsys.readouterr().err  # a line even where no bar shows
     monkeypatch.setattr(build, "unbuilt", lambda arch: [])
     runtime.build_kernels()
     assert len(calls) == 1  # all cached: nothing to do
