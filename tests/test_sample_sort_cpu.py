@@ -5,8 +5,12 @@ sorted slots) keeps what model_zoo's top-p rule keeps (the GPU tests check the k
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+
+from tests.test_sampling_cluster_cpu import float_key, radix_candidates, radix_select
 
 CAND_CAP, THREADS = 2048, 1024  # sample_select.cuh's CAND_CAP, sampling.cu's SAMPLE_THREADS
 
@@ -122,31 +126,6 @@ def test_the_candidate_draw_keeps_model_zoos_nucleus():
     assert np.abs(counts / len(draws) - p).max() < 0.01
 
 
-def float_key(x: np.ndarray) -> np.ndarray:
-    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return np.where(b & 0x80000000, ~b & 0xFFFFFFFF, b | 0x80000000)
-
-
-def select_bound(keys: np.ndarray, k: int) -> tuple[int | None, int]:
-    """sample_select.cuh's radix_select over value keys, 8-bit digits from the top: (the bound gathered from, passes)
-    where the chosen bin and every key above it fit CAND_CAP (else None: the kernel goes on to pin the k-th down)."""
-    ph = mh = 0
-    remaining, greater = k, 0
-    for p, shift in enumerate((24, 16, 8, 0)):
-        digits = (keys[(keys & np.uint64(mh)) == np.uint64(ph)] >> np.uint64(shift)) & np.uint64(255)
-        cnt = np.bincount(digits.astype(np.int64), minlength=256)[::-1]  # bins from the top
-        above = np.concatenate([[0], np.cumsum(cnt)[:-1]])
-        j = int(np.nonzero((above < remaining) & (remaining <= above + cnt))[0][0])
-        fits = greater + above[j] + cnt[j] <= CAND_CAP
-        greater += int(above[j])
-        remaining -= int(above[j])
-        ph |= (255 - j) << shift
-        mh |= 255 << shift
-        if fits:
-            return ph, p + 1
-    return None, 4
-
-
 @pytest.mark.parametrize("k", [1, 40, 50, 1024])
 @pytest.mark.parametrize("logits", ["normal", "wide", "few values", "nan and inf"])
 def test_gathering_the_whole_bin_then_cutting_at_the_kth_keeps_the_top_k_and_its_ties(k, logits):
@@ -161,17 +140,16 @@ def test_gathering_the_whole_bin_then_cutting_at_the_kth_keeps_the_top_k_and_its
         x[rng.choice(len(x), 60, replace=False)] = np.nan
         x[rng.choice(len(x), 20, replace=False)] = np.inf
         x[rng.choice(len(x), 20, replace=False)] = -np.inf
-    vals = float_key(x)  # NaN (positive) above +inf
-    bound, passes = select_bound(vals, k)
-    assert bound is not None and passes <= 3  # at most two passes after the one the max pass counts
-    nan = np.isnan(x)
-    tokens = np.arange(len(x), dtype=np.uint64)
-    cand = (vals << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - tokens)
-    gathered = cand[(vals >= np.uint64(bound)) & ~nan]
+    x = x.tolist()
+    keys = [float_key(v) for v in x]  # NaN (positive) above +inf
+    hi, lo, passes = radix_select(keys, k, CAND_CAP)
+    assert lo == 0 and passes <= 3  # stopped at a bin: at most two passes after the one the max pass counts
+    nan = [math.isnan(v) for v in x]
+    kth = sorted(keys, reverse=True)[k - 1]
+    want = [v for v in range(len(x)) if keys[v] >= kth and not nan[v]]  # the exact select's candidates
+    gathered = [(keys[v] << 32) | (0xFFFFFFFF - v) for v in range(len(x)) if keys[v] >= hi and not nan[v]]
     assert len(gathered) <= CAND_CAP
-    r = k - int(nan.sum())  # draw_candidates' rank of the k-th key among the candidates
-    ranked = sort_candidates(gathered)[:len(gathered)]
-    kept = ranked[(ranked >> np.uint64(32)) >= (ranked[r - 1] >> np.uint64(32))] if r > 0 else ranked[:0]
-    want = np.nonzero((vals >= np.sort(vals)[::-1][k - 1]) & ~nan)[0]  # the exact select's candidates
-    got = np.sort((np.uint64(0xFFFFFFFF) - (kept & np.uint64(0xFFFFFFFF))).astype(np.int64))
-    assert np.array_equal(got, want) and (r > 0) == (len(want) > 0)
+    ranked = sort_candidates(np.array(gathered, dtype=np.uint64))[:len(gathered)]  # the network on these candidates
+    assert ranked.tolist() == sorted(gathered, reverse=True)
+    got = radix_candidates(x, k, CAND_CAP)
+    assert got == want and (k > sum(nan)) == (len(want) > 0)

@@ -104,35 +104,49 @@ def choose_digit(hist: list[int], need: int) -> tuple[int, int, int, bool]:
     raise AssertionError("no bin holds the need-th key")
 
 
+def radix_select(keys: list[int], k: int, cap: int) -> tuple[int, int, int]:
+    """sample_select.cuh's radix_select on one block (the integer counts are the same summed over any P blocks):
+    (hi, lo, passes), the candidates' bound. Digits from the top until the k-th key's bin and every key above it fit
+    `cap` (hi: that bin's least key, lo 0); else on to the k-th key and, its ties past `cap`, over ~token."""
+    V, hi, lo, passes = len(keys), 0, 0, 0
+    if k >= V:
+        return hi, lo, passes
+    remaining, mh = k, 0
+    for shift in (24, 16, 8, 0):
+        hist = [0] * 256
+        for key in keys:
+            if key & mh == hi:
+                hist[(key >> shift) & 255] += 1
+        digit, remaining, tie, _ = choose_digit(hist, remaining)
+        hi, mh, passes = hi | digit << shift, mh | 255 << shift, passes + 1
+        if k - remaining + tie <= cap:
+            return hi, lo, passes
+    remaining, ml = cap - (k - remaining), 0
+    for shift in (24, 16, 8, 0):
+        hist = [0] * 256
+        for v, key in enumerate(keys):
+            if key == hi and (0xFFFFFFFF - v) & ml == lo:
+                hist[((0xFFFFFFFF - v) >> shift) & 255] += 1
+        digit, remaining, _, done = choose_digit(hist, remaining)
+        lo, ml, passes = lo | digit << shift, ml | 255 << shift, passes + 1
+        if done:
+            break
+    return hi, lo, passes
+
+
 def radix_candidates(x: list[float], k: int, cap: int) -> list[int]:
-    """sample_select.cuh's radix_select then gather's test, on one block (the integer counts are the same summed
-    over any P blocks): the tokens at or above the k-th key; past `cap`, the select goes on over ~token."""
-    V, keys = len(x), [float_key(v) for v in x]
-    hi = lo = 0
-    if k < V:
-        remaining, mh = k, 0
-        for shift in (24, 16, 8, 0):
-            hist = [0] * 256
-            for key in keys:
-                if key & mh == hi:
-                    hist[(key >> shift) & 255] += 1
-            digit, remaining, tie, done = choose_digit(hist, remaining)
-            hi, mh = hi | digit << shift, mh | 255 << shift
-            if done:
-                break
-        greater = k - remaining
-        if not done and greater + tie > cap:
-            remaining, ml = cap - greater, 0
-            for shift in (24, 16, 8, 0):
-                hist = [0] * 256
-                for v, key in enumerate(keys):
-                    if key == hi and (0xFFFFFFFF - v) & ml == lo:
-                        hist[((0xFFFFFFFF - v) >> shift) & 255] += 1
-                digit, remaining, _, done = choose_digit(hist, remaining)
-                lo, ml = lo | digit << shift, ml | 255 << shift
-                if done:
-                    break
-    return [v for v in range(V) if keys[v] > hi or (keys[v] == hi and 0xFFFFFFFF - v >= lo)]
+    """The tokens sampling.cu draws among: radix_select's bound, then gather's test (NaN never a candidate), then
+    draw_candidates' cut of the sorted candidates at the k-th key, counting the NaNs the select ranked above every
+    number (the k-th key's ties kept)."""
+    keys = [float_key(v) for v in x]
+    hi, lo, _ = radix_select(keys, k, cap)
+    cand = [v for v in range(len(x))
+            if not math.isnan(x[v]) and (keys[v] > hi or (keys[v] == hi and 0xFFFFFFFF - v >= lo))]
+    r = k - sum(1 for v, key in enumerate(keys) if math.isnan(x[v]) and key > float_key(math.inf))
+    if r <= 0:
+        return []
+    ranked = sorted(cand, key=lambda v: (-keys[v], v))
+    return cand if r >= len(ranked) else [v for v in cand if keys[v] >= keys[ranked[r - 1]]]
 
 
 def test_radix_select_keeps_the_top_k_with_ties_and_the_lowest_indices_past_the_cap():
