@@ -125,7 +125,6 @@ class Scheduler:
         self._touched: set[Ticket] = set()
         self.warm_up_s: float | None = None  # the warm-up's seconds, once it has run (GPU backends)
         self.warm_up_error: BaseException | None = None  # why it stopped early (graphs are then captured on use)
-        self.warming_up = hasattr(self.pipe, "warm_up")  # until the thread's warm-up has run
         self._thread = threading.Thread(target=self._run, name="fllama-scheduler", daemon=True)
 
     # -- the callers' side ----------------------------------------------------------------------------------
@@ -183,6 +182,11 @@ class Scheduler:
                 self._cancelled.append(ticket)
                 self._cv.notify_all()
 
+    @property
+    def warming_up(self) -> bool:
+        """Until the thread's warm-up has run, where the pipe has one (the GPU engine's)."""
+        return self.warm_up_s is None and hasattr(self.pipe, "warm_up")
+
     def load(self) -> dict:
         """Slots and queue now (approximate: read without the scheduler's lock)."""
         running = len(self._running) + len(self._prefilling)
@@ -239,7 +243,6 @@ class Scheduler:
             self.warm_up_error = e
             self.pipe = open_pipe(self.backend, self.cache, self.sampler)
         self.warm_up_s = time.perf_counter() - t0
-        self.warming_up = False
 
     def _has_work(self) -> bool:
         return bool(self._cancelled or self._waiting or self._prefilling or self._running or self._inflight)
