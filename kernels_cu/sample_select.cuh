@@ -59,7 +59,9 @@ __device__ void choose_digit(const int* hist, SelectShared& sh) {
                 sh.remaining = need - above;
                 sh.tie = cnt[j];
                 sh.done = cnt[j] == need - above;  // the whole bin is taken: lower digits need not be resolved
-                sh.fits = sh.greater + above + cnt[j] <= CAND_CAP;  // the bin and every key above it
+                // the bin and every key above it fit: decided here, where the counts are (the same test on k in
+                // radix_select's loop made the f16_cl entry spill 36 bytes at its 64-register cap)
+                sh.fits = sh.greater + above + cnt[j] <= CAND_CAP;
                 sh.greater += above;
             }
             above += cnt[j];
