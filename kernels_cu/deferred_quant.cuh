@@ -15,6 +15,19 @@
 
 namespace fllama {
 
+// Up to 8 rows' per-thread maxima a[r] reduced over each warp, stored for the block's cross-warp pass at
+// s_red[r * WARPS + warp]; rows is block-uniform.
+template <int WARPS>
+__device__ __forceinline__ void warp_rows_max_store(const float (&a)[8], int rows, float* s_red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        if (r >= rows) break;
+        const float m = warp_max(a[r]);
+        if (lane == 0) s_red[r * WARPS + warp] = m;
+    }
+}
+
 struct Int8Rule {
     // is_static: v is the stored static value (int8: an amax, the same expression)
     __device__ __forceinline__ static void scales(float v, bool, float& inv, float& scale) {

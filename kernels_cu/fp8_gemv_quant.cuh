@@ -36,7 +36,7 @@ struct Fp8AmaxHook {
 
     __device__ __forceinline__ void operator()() const {
         constexpr int NV = 8, THREADS = 32 * FP8_GEMV_WARPS;
-        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int tid = threadIdx.x;
         if (static_scale != nullptr) {
             float i, sc;
             fp8_static_scales(*static_scale, i, sc);
@@ -70,12 +70,7 @@ struct Fp8AmaxHook {
                 }
             }
         }
-#pragma unroll
-        for (int r = 0; r < 8; ++r) {
-            if (r >= rows) break;  // block-uniform
-            a[r] = warp_max(a[r]);
-            if (lane == 0) s_red[r * FP8_GEMV_WARPS + warp] = a[r];
-        }
+        warp_rows_max_store<FP8_GEMV_WARPS>(a, rows, s_red);
         __syncthreads();
         rows_dyn_scales(s_red, s_inv, s_scale, rows);
         __syncthreads();

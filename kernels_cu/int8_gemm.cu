@@ -53,7 +53,7 @@ struct XqHook {
     // row (the batch-1 decode) takes a path without index division or row select.
     __device__ __forceinline__ void operator()() const {
         constexpr int NV = 8, THREADS = 32 * WARPS;
-        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int tid = threadIdx.x;
         const int n8 = K / 8, total = rows * n8;  // 8-value chunks of the block's rows
         // chunk c of the block: row c / n8 (0 for one row), column 8 (c % n8)
         auto chunk_row = [&](int c) { return rows == 1 ? 0 : c / n8; };
@@ -93,12 +93,7 @@ struct XqHook {
                     }
                 }
             }
-#pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                if (r >= rows) break;  // block-uniform
-                a[r] = warp_max(a[r]);
-                if (lane == 0) s_red[r * WARPS + warp] = a[r];
-            }
+            warp_rows_max_store<WARPS>(a, rows, s_red);
         }
         __syncthreads();
         if (tid < rows) {

@@ -139,8 +139,31 @@ def main() -> None:
         if build.has_wgmma(torch.cuda.current_device()):
             fp8_wgmma_decode_smoke()
     rope_kv_smoke()
+    sampler_vocab_smoke()
     build.synchronize()
     print("sanitize smoke: all kernels ran")
+
+
+def sampler_vocab_smoke() -> None:
+    """The sampler at Llama-3's 128,256 tokens, where top-p sorts its full 2,048 candidates: each kind of row
+    (greedy, temperature, top-k, top-p with a penalty) on the cluster entry and on one block a row."""
+    from kernels_cu import tuning
+    from kernels_cu.sampling import GpuSampler
+    from model_zoo.sampling import SamplingConfig
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    V = 128_256
+    cfgs = (SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, seed=1),
+            SamplingConfig(temperature=0.7, top_k=50, seed=2),
+            SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.1, seed=3))
+    with build.on_stream():
+        for blocks in (8, 1):
+            with tuning.override(sample_cluster_blocks=blocks):
+                sampler = GpuSampler(2, V, eos_ids=[2], device=dev)
+                for cfg in cfgs:
+                    sampler.set_config(cfg)
+                    sampler.sample(torch.randn(2, V, generator=g, device=dev, dtype=torch.float16) * 3)
 
 
 def fp8_wgmma_decode_smoke() -> None:
