@@ -89,8 +89,8 @@ __device__ __forceinline__ void clear_hist(SelectShared& sh, int pass) {
 // The prefix's keys are one range, so a token whose penalized logit is outside its logit_bounds skips the division
 // and the key (most tokens from the second digit on); the rest take a predicated atomic (a warp vote a token ahead
 // of it made the one-block kernel's passes ~25% more instructions).
-template <bool LOW, typename T>
-__device__ void select_pass(const Row<T>& row, int V, int s_lo, int s_hi, int P, Prefix q, int shift, int pass,
+template <bool LOW, typename T, bool PEN>
+__device__ void select_pass(const Row<T, PEN>& row, int V, int s_lo, int s_hi, int P, Prefix q, int shift, int pass,
                             bool walk, SelectShared& sh) {
     int* hist = sh.hist[pass & 1];
     if (walk) {
@@ -132,8 +132,8 @@ struct Threshold {
 // keeps the top k and their ties of the sorted candidates). Where the ties with the k-th would overflow CAND_CAP,
 // the select goes on over ~token among them: the lowest indices are kept, the same ones for any P.
 // The caller has histogrammed the first digit into hist[0] (clear_hist(sh, 0), then the max pass) when k < V.
-template <typename T>
-__device__ Threshold radix_select(const Row<T>& row, int V, int k, int s_lo, int s_hi, int P, SelectShared& sh) {
+template <typename T, bool PEN>
+__device__ Threshold radix_select(const Row<T, PEN>& row, int V, int k, int s_lo, int s_hi, int P, SelectShared& sh) {
     Threshold t{0u, 0u, 0};
     if (k >= V) return t;
     if (threadIdx.x == 0) {
@@ -197,8 +197,8 @@ __device__ __forceinline__ unsigned long long candidate_bound(Threshold t) {
 // Top-k rows (top_k > 0) draw from the candidates' own mass, not the row's: this block's segments' candidates alone
 // (the sink may be block 0's), a token whose penalized logit is under the threshold's logit_bounds skipping the
 // division.
-template <typename T>
-__device__ void gather_top_k(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, CandSink out) {
+template <typename T, bool PEN>
+__device__ void gather_top_k(const Row<T, PEN>& row, int V, int s_lo, int s_hi, Threshold t, CandSink out) {
     const unsigned long long bound = candidate_bound(t);
     const LogitBounds lb = logit_bounds(t.hi, 0xffffffffu, row.inv_temp_div, row.scaled);
     for_each_segment(row, V, s_lo, s_hi, [&](int v, float l, bool ok) {
@@ -213,8 +213,8 @@ __device__ void gather_top_k(const Row<T>& row, int V, int s_lo, int s_hi, Thres
 // a thread in order, the warp's xor tree, the 32 warps in order: one order whichever block walks it) into
 // seg_dst[s] (block 0's, maybe in another block of the cluster), and with CAND the candidates (push_candidate; the
 // sink block 0's too).
-template <bool CAND, typename T>
-__device__ void gather(const Row<T>& row, int V, int s_lo, int s_hi, Threshold t, float m, SelectShared& sh,
+template <bool CAND, typename T, bool PEN>
+__device__ void gather(const Row<T, PEN>& row, int V, int s_lo, int s_hi, Threshold t, float m, SelectShared& sh,
                        CandSink out, float* seg_dst) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned long long bound = candidate_bound(t);

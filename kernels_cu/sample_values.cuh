@@ -43,7 +43,11 @@ __device__ LogitBounds logit_bounds(uint32_t k_lo, uint32_t k_hi, float t, bool 
     return {logit_beyond(key_float(k_lo), t, scaled, -INFINITY), logit_beyond(key_float(k_hi), t, scaled, INFINITY)};
 }
 
-template <typename T>
+// PEN: the row has a repetition penalty (penalty != 1). A template argument, so the rows without one, the common
+// case, run walkers with no penalty code between their unrolled tokens: the sampler runs after the lm_head has
+// streamed its code out of the L2, and every instruction it fetches then costs (H200, Llama-3.2-1B step at
+// generate's defaults: -5 us against one instantiation that tests the penalty a token).
+template <typename T, bool PEN>
 struct Row {
     const T* logits;
     const uint8_t* seen;
@@ -52,7 +56,7 @@ struct Row {
 
     // logit l of token v (as loaded) -> the value the sampler ranks: the penalty, then the temperature
     __device__ __forceinline__ float penalized(int v, float l) const {
-        return penalty != 1.0f && seen[v] ? (l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty)) : l;
+        return PEN && seen[v] ? (l > 0.0f ? __fdiv_rn(l, penalty) : __fmul_rn(l, penalty)) : l;
     }
     __device__ __forceinline__ float scale(float l) const { return scaled ? __fdiv_rn(l, inv_temp_div) : l; }
     __device__ __forceinline__ float value_of(int v, float l) const { return scale(penalized(v, l)); }
@@ -60,11 +64,13 @@ struct Row {
 };
 
 // 16-byte loads of U chunks of 8 tokens at once: a loop of one dependent 2-byte load per token would make the
-// sampler a chain of L2 round trips. fp16 4 chunks (16 registers), so V = 32000 at 1024 threads is one round.
+// sampler a chain of L2 round trips. Two chunks: a block of a cluster walks two segments at 128k tokens, both in
+// flight; four doubled every walker's unrolled code for no more loads in flight there (the 1B's sampled step 5 us
+// slower on the H200, see Row), and one block of V = 32,000 walks its 4 segments in 2 rounds at the same speed.
 template <typename T>
 struct ChunkLoads {
     static constexpr int VECS = 8 * sizeof(T) / 16;  // 16-byte loads per chunk
-    static constexpr int U = sizeof(T) == 2 ? 4 : 2;  // chunks in flight per thread
+    static constexpr int U = 2;                       // chunks in flight per thread
     uint4 raw[U][VECS];
 
     // chunk c (tokens 8c .. 8c+7) into slot u; the 16-byte loads need aligned rows (V % 8 == 0), else one a token
@@ -85,8 +91,8 @@ struct ChunkLoads {
 
 // f(v, value) for every token v of chunks [c_lo, c_hi) of the row this thread owns, in increasing v (so "first
 // seen" is "lowest index" within a thread): chunk c to thread (c - c_lo) % blockDim, U chunks' loads together.
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, int c_lo, int c_hi, F&& f) {
+template <typename T, bool PEN, typename F>
+__device__ __forceinline__ void for_each_value(const Row<T, PEN>& row, int V, int c_lo, int c_hi, F&& f) {
     using L = ChunkLoads<T>;
     for (int c0 = c_lo + threadIdx.x; c0 < c_hi; c0 += L::U * blockDim.x) {
         L ld;
@@ -106,8 +112,8 @@ __device__ __forceinline__ void for_each_value(const Row<T>& row, int V, int c_l
     }
 }
 
-template <typename T, typename F>
-__device__ __forceinline__ void for_each_value(const Row<T>& row, int V, F&& f) {
+template <typename T, bool PEN, typename F>
+__device__ __forceinline__ void for_each_value(const Row<T, PEN>& row, int V, F&& f) {
     for_each_value(row, V, 0, (V + 7) / 8, f);
 }
 
@@ -120,8 +126,8 @@ constexpr int SEG_TOKENS = 8 * SEG_CHUNKS;
 // logit as loaded (f takes row.value_of(v, l) where it needs the value; ok false past the row's end: l 0, seen not
 // to be read) and then end(s), the same number of times in every thread (blockDim must be SEG_CHUNKS), so f and end
 // may use warp collectives over the full warp.
-template <typename T, typename F, typename E>
-__device__ __forceinline__ void for_each_segment(const Row<T>& row, int V, int s_lo, int s_hi, F&& f, E&& end) {
+template <typename T, bool PEN, typename F, typename E>
+__device__ __forceinline__ void for_each_segment(const Row<T, PEN>& row, int V, int s_lo, int s_hi, F&& f, E&& end) {
     using L = ChunkLoads<T>;
     for (int s0 = s_lo; s0 < s_hi; s0 += L::U) {
         L ld;

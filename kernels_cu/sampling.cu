@@ -82,8 +82,8 @@ struct StepOut {
 // order (the sums folded in segments_total's order, so the target lies in one); the block scans that segment's
 // 8-token chunks (gather's exps) and the thread whose range holds the rest of the target finds the token. A NaN or
 // infinite mass (a row of -inf or NaN logits) finds no segment and falls back to the argmax.
-template <typename T>
-__device__ int draw_whole(const Row<T>& row, int V, int segs, float m, unsigned long long seed,
+template <typename T, bool PEN>
+__device__ int draw_whole(const Row<T, PEN>& row, int V, int segs, float m, unsigned long long seed,
                           unsigned long long counter, int argmax, Shared& sh) {
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -220,96 +220,105 @@ __device__ void sample_row(int* __restrict__ out, uint8_t* __restrict__ seen, in
         }
         return;
     }
-    Row<T> row{logits + (size_t)i_out * V, seen + (size_t)b * V, penalty, temperature, false};
-    int token;
+    // the token, or -1 in a block of a cluster that leaves the rest to block 0
+    const auto pick = [&](auto row) -> int {
+        int token;
+        // max (and argmax, the greedy answer and the fallback of the draws), over this block's slice of the row's
+        // 8-token chunks (16-byte aligned wherever V % 8 == 0): the whole row without a cluster
+        row.scaled = !(temperature <= 0.0f || top_k == 1);
+        // top-k / top-p rows keep the whole cluster for the select, temperature-only ones for the segment sums;
+        // greedy rows leave it to block 0 after this pass
+        const bool whole = row.scaled && top_k == 0 && top_p >= 1.0f;
+        const bool select = row.scaled && !whole;
+        const int k = min(top_k > 0 ? top_k : MAX_K, V);
+        const int chunks = (V + 7) / 8, per_block = (chunks + P - 1) / P;
+        const int c_lo = min(chunks, rank * per_block), c_hi = min(chunks, c_lo + per_block);
+        ArgMax best{-INFINITY, 0x7fffffff};
+        const auto argmax_of = [&](int v, float x) {
+            if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
+        };
+        if (select && k < V) {  // the select's first digit over every token here: radix_select walks the row once less
+            clear_hist(sh.sel, 0);
+            __syncthreads();
+            for_each_value(row, V, c_lo, c_hi, [&](int v, float x) {
+                argmax_of(v, x);
+                atomicAdd(&sh.sel.hist[0][float_key(x) >> 24], 1);
+            });
+        } else {
+            for_each_value(row, V, c_lo, c_hi, argmax_of);
+        }
+        best = block_argmax(best, sh.fv, sh.fi);  // (its barriers complete hist[0] too)
+        // greedy rows: blocks 1..P-1 are done here
+        if (CL && !row.scaled && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return -1;
+        int argmax = best.i < V ? best.i : 0;
+        float m = best.v;
+        const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
+        const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);  // this block's segments
+        // the row's max from every block's winner (win_v / win_i, stored before a cluster barrier this block has
+        // passed)
+        const auto take_cluster_max = [&]() {
+            best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
+            argmax = best.i < V ? best.i : 0;
+            m = best.v;
+        };
 
-    // max (and argmax, the greedy answer and the fallback of the draws), over this block's slice of the row's
-    // 8-token chunks (16-byte aligned wherever V % 8 == 0): the whole row without a cluster
-    row.scaled = !(temperature <= 0.0f || top_k == 1);
-    // top-k / top-p rows keep the whole cluster for the select, temperature-only ones for the segment sums;
-    // greedy rows leave it to block 0 after this pass
-    const bool whole = row.scaled && top_k == 0 && top_p >= 1.0f;
-    const bool select = row.scaled && !whole;
-    const int k = min(top_k > 0 ? top_k : MAX_K, V);
-    const int chunks = (V + 7) / 8, per_block = (chunks + P - 1) / P;
-    const int c_lo = min(chunks, rank * per_block), c_hi = min(chunks, c_lo + per_block);
-    ArgMax best{-INFINITY, 0x7fffffff};
-    const auto argmax_of = [&](int v, float x) {
-        if (x > best.v || (best.i == 0x7fffffff && !isnan(x))) best = ArgMax{x, v};
-    };
-    if (select && k < V) {  // the select's first digit over every token here: radix_select walks the row once less
-        clear_hist(sh.sel, 0);
-        __syncthreads();
-        for_each_value(row, V, c_lo, c_hi, [&](int v, float x) {
-            argmax_of(v, x);
-            atomicAdd(&sh.sel.hist[0][float_key(x) >> 24], 1);
-        });
-    } else {
-        for_each_value(row, V, c_lo, c_hi, argmax_of);
-    }
-    best = block_argmax(best, sh.fv, sh.fi);  // (its barriers complete hist[0] too)
-    if (CL && !row.scaled && !cluster_argmax(best, rank, P, sh.part_v, sh.part_i)) return;  // blocks 1..P-1: done
-    int argmax = best.i < V ? best.i : 0;
-    float m = best.v;
-    const int segs = (V + SEG_TOKENS - 1) / SEG_TOKENS, per = (segs + P - 1) / P;
-    const int s_lo = min(segs, rank * per), s_hi = min(segs, s_lo + per);  // this block's segments
-    // the row's max from every block's winner (win_v / win_i, stored before a cluster barrier this block has passed)
-    const auto take_cluster_max = [&]() {
-        best = cluster_argmax_all(&sh.sel.win_v, &sh.sel.win_i, P);
-        argmax = best.i < V ? best.i : 0;
-        m = best.v;
-    };
-
-    if (!row.scaled) {
-        token = argmax;
-    } else if (whole) {
-        if (CL) {
-            cluster_wait_acquire();  // phase 1: every block has started
-            if (tid == 0) {
+        if (!row.scaled) {
+            token = argmax;
+        } else if (whole) {
+            if (CL) {
+                cluster_wait_acquire();  // phase 1: every block has started
+                if (tid == 0) {
+                    sh.sel.win_v = best.v;
+                    sh.sel.win_i = best.i;
+                }
+                cluster_sync();  // every block's winner is in
+                take_cluster_max();
+            }
+            gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, CandSink{},
+                          CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
+            if (CL) {
+                cluster_sync();  // block 0 holds every segment's sum; nobody reads another block after it
+                if (rank != 0) return -1;
+            }
+            token = draw_whole(row, V, segs, m, seed, counter, argmax, sh);
+        } else {
+            // ---- top-k / top-p: the candidates over this block's segments (sample_select.cuh), sorted, scanned
+            if (CL) cluster_wait_acquire();  // phase 1: every block has started, so its shared memory may be written
+            if (tid == 0) {  // read by the cluster (block 0's counter: written by all) after the next barrier
                 sh.sel.win_v = best.v;
                 sh.sel.win_i = best.i;
+                sh.sel.n_cand = 0;
+                sh.sel.n_nan = 0;
+                sh.sel.z_full = 0.0f;  // top-k rows: no sum (the draw's mass is the candidates')
             }
-            cluster_sync();  // every block's winner is in
-            take_cluster_max();
+            const Threshold t = radix_select(row, V, k, s_lo, s_hi, P, sh.sel);
+            if (t.passes == 0) {
+                if (CL) cluster_sync();
+                else __syncthreads();
+            }
+            if (CL) take_cluster_max();  // the segment sums and block 0's draw need m
+            const CandSink sink = CL ? CandSink{cluster_ptr(sh.sel.cand, 0), cluster_ptr(&sh.sel.n_cand, 0),
+                                                cluster_ptr(&sh.sel.n_nan, 0)}
+                                     : CandSink{sh.sel.cand, &sh.sel.n_cand, &sh.sel.n_nan};
+            if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, sink);
+            else gather<true>(row, V, s_lo, s_hi, t, m, sh.sel, sink, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
+            if (CL) {
+                cluster_sync();  // block 0 holds every candidate and segment sum; nobody reads another block after it
+                if (rank != 0) return -1;
+            }
+            __syncthreads();  // the candidates and segment sums are in
+            if (tid == 0 && top_k == 0) sh.sel.z_full = segments_total(sh.sel.seg, segs);
+            __syncthreads();  // z_full is in
+            token = draw_candidates(min(sh.sel.n_cand, CAND_CAP), k, top_k, top_p, sh.sel.z_full, m, seed, counter,
+                                    argmax, sh);
         }
-        gather<false>(row, V, s_lo, s_hi, Threshold{}, m, sh.sel, CandSink{},
-                      CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
-        if (CL) {
-            cluster_sync();  // block 0 holds every segment's sum; nobody reads another block after it
-            if (rank != 0) return;
-        }
-        token = draw_whole(row, V, segs, m, seed, counter, argmax, sh);
-    } else {
-        // ---- top-k / top-p: the candidates over this block's segments (sample_select.cuh), sorted, scanned
-        if (CL) cluster_wait_acquire();  // phase 1: every block has started, so its shared memory may be written
-        if (tid == 0) {  // read by the cluster (block 0's counter: written by all) after the next barrier
-            sh.sel.win_v = best.v;
-            sh.sel.win_i = best.i;
-            sh.sel.n_cand = 0;
-            sh.sel.n_nan = 0;
-            sh.sel.z_full = 0.0f;  // top-k rows: no sum (the draw's mass is the candidates')
-        }
-        const Threshold t = radix_select(row, V, k, s_lo, s_hi, P, sh.sel);
-        if (t.passes == 0) {
-            if (CL) cluster_sync();
-            else __syncthreads();
-        }
-        if (CL) take_cluster_max();  // the segment sums and block 0's draw need m
-        const CandSink sink = CL ? CandSink{cluster_ptr(sh.sel.cand, 0), cluster_ptr(&sh.sel.n_cand, 0),
-                                            cluster_ptr(&sh.sel.n_nan, 0)}
-                                 : CandSink{sh.sel.cand, &sh.sel.n_cand, &sh.sel.n_nan};
-        if (top_k > 0) gather_top_k(row, V, s_lo, s_hi, t, sink);
-        else gather<true>(row, V, s_lo, s_hi, t, m, sh.sel, sink, CL ? cluster_ptr(sh.sel.seg, 0) : sh.sel.seg);
-        if (CL) {
-            cluster_sync();  // block 0 holds every candidate and segment sum; nobody reads another block after it
-            if (rank != 0) return;
-        }
-        __syncthreads();  // the candidates and segment sums are in
-        if (tid == 0 && top_k == 0) sh.sel.z_full = segments_total(sh.sel.seg, segs);
-        __syncthreads();  // z_full is in
-        token = draw_candidates(min(sh.sel.n_cand, CAND_CAP), k, top_k, top_p, sh.sel.z_full, m, seed, counter,
-                                argmax, sh);
-    }
+        return token;
+    };
+    const T* lg = logits + (size_t)i_out * V;
+    const uint8_t* sn = seen + (size_t)b * V;
+    const int token = penalty != 1.0f ? pick(Row<T, true>{lg, sn, penalty, temperature, false})
+                                      : pick(Row<T, false>{lg, sn, penalty, temperature, false});
+    if (token < 0) return;
 
     if (tid == 0) {
         out[i_out] = token;
