@@ -66,7 +66,7 @@ struct Row {
 // 16-byte loads of U chunks of 8 tokens at once: a loop of one dependent 2-byte load per token would make the
 // sampler a chain of L2 round trips. Two chunks: a block of a cluster walks two segments at 128k tokens, both in
 // flight; four doubled every walker's unrolled code for no more loads in flight there (the 1B's sampled step 5 us
-// slower on the H200, see Row), and one block of V = 32,000 walks its 4 segments in 2 rounds at the same speed.
+// slower on the H200, see Row), and one block of V = 32,000 walks its 4 segments in 2 rounds within 1 us of four.
 template <typename T>
 struct ChunkLoads {
     static constexpr int VECS = 8 * sizeof(T) / 16;  // 16-byte loads per chunk
