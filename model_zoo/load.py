@@ -71,22 +71,27 @@ def classify_source(source: str | Path | None) -> ModelSource:
 
 
 def load_model(source: str | Path | None = None, *, random: bool = False, seed: int = 0,
-               dtype: torch.dtype = torch.float32, n_layers: int | None = None) -> LoadedModel:
-    """Config, tokenizer and HF-named state dict of a model source (see the module docstring)."""
+               dtype: torch.dtype = torch.float32, n_layers: int | None = None,
+               shapes_only: bool = False) -> LoadedModel:
+    """Config, tokenizer and HF-named state dict of a model source (see the module docstring). shapes_only: the
+    checkpoint's tensors as meta tensors, read from its headers and checked as a load checks them (`fllama info`:
+    an 8B checkpoint's load would read 32 GB of fp32 first)."""
     src = classify_source(source)
     if random:
         return _load_random(src, seed=seed, dtype=dtype, n_layers=n_layers)
     kind = src.kind
     if kind is SourceKind.HF_DIR:
-        return load_hf_dir(Path(src.target), dtype=dtype, n_layers=n_layers)
+        return load_hf_dir(Path(src.target), dtype=dtype, n_layers=n_layers, shapes_only=shapes_only)
     if kind is SourceKind.GGUF:
-        return load_gguf(Path(src.target), dtype=dtype, n_layers=n_layers)
+        return load_gguf(Path(src.target), dtype=dtype, n_layers=n_layers, shapes_only=shapes_only)
     if kind is SourceKind.NAMED:
-        loaded = load_gguf(named_model_path(src.target), dtype=dtype, n_layers=n_layers, kind="named")
+        loaded = load_gguf(named_model_path(src.target), dtype=dtype, n_layers=n_layers, kind="named",
+                           shapes_only=shapes_only)
         loaded.meta["named"] = src.target
         return loaded
     if kind is SourceKind.HUB:
-        return load_hf_dir(download(src.target), dtype=dtype, n_layers=n_layers, source=src.target, kind="hub")
+        return load_hf_dir(download(src.target), dtype=dtype, n_layers=n_layers, source=src.target, kind="hub",
+                           shapes_only=shapes_only)
     raise ModelSourceError(f"{src.given!r} is a preset shape without weights: add --random for random weights, "
                            "or give weights (an HF directory, a .gguf file or a hub id)")
 

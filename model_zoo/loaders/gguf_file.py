@@ -90,7 +90,8 @@ def read_gguf_config(path: Path) -> LlamaConfig:
 
 
 def load_gguf(path: Path, *, dtype: torch.dtype, n_layers: int | None = None, source: str | None = None,
-              kind: str = "gguf") -> LoadedModel:
+              kind: str = "gguf", shapes_only: bool = False) -> LoadedModel:
+    """shapes_only: the state dict holds meta tensors of the dequantized shapes (nothing is dequantized)."""
     f = read_gguf(path)
     meta = f.meta
     config = cut_config(gguf_config(meta, f.tensors), n_layers)
@@ -105,7 +106,10 @@ def load_gguf(path: Path, *, dtype: torch.dtype, n_layers: int | None = None, so
             continue
         if name.endswith(".bias"):
             raise UnsupportedArchitectureError(f"the GGUF file has a bias ({t.name}); LLaMA layers have none")
-        sd[name] = torch.from_numpy(_dequantize(t, config)).to(dtype)
+        if shapes_only:
+            sd[name] = torch.empty(tuple(reversed(t.shape)), dtype=dtype, device="meta")
+        else:
+            sd[name] = torch.from_numpy(_dequantize(t, config)).to(dtype)
         if len(t.shape) == 2:
             types[t.tensor_type.name] += 1
     check_state_dict(config, sd, quantized=False)

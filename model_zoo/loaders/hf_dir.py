@@ -17,6 +17,9 @@ from model_zoo.quant.formats import scheme_of
 from model_zoo.tokenizer import Tokenizer
 
 FLLAMA_META = "fllama_meta.json"  # written by fllama's exporter beside config.json
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -38,10 +41,11 @@ def hf_dir_config(directory: Path) -> LlamaConfig:
 
 
 def load_hf_dir(directory: Path, *, dtype: torch.dtype, n_layers: int | None = None, source: str | None = None,
-                kind: str = "hf-dir") -> LoadedModel:
+                kind: str = "hf-dir", shapes_only: bool = False) -> LoadedModel:
+    """shapes_only: the state dict holds meta tensors (the stored shapes and dtypes; no tensor data is read)."""
     raw = read_config_json(directory)
     config = cut_config(LlamaConfig.from_hf(raw), n_layers)
-    stored = read_weights(directory, keep=lambda name: wanted(name, n_layers))
+    stored = read_weights(directory, keep=lambda name: wanted(name, n_layers), shapes_only=shapes_only)
     quant = raw.get("quantization_config")
     scheme_of(quant)  # a layout fllama cannot run is refused before any tensor is converted
     check_state_dict(config, stored, quantized=quant is not None)
@@ -65,11 +69,12 @@ def weight_files(directory: Path) -> list[Path]:
                            "model-*-of-*.safetensors with an index, or pytorch_model*.bin)")
 
 
-def read_weights(directory: Path, keep: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path, keep: Callable[[str], bool] = lambda name: True,
+                 shapes_only: bool = False) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for path in weight_files(directory):
         reader = _read_safetensors if path.suffix == ".safetensors" else _read_torch_bin
-        sd.update(reader(path, keep))
+        sd.update(reader(path, keep, shapes_only))
     return sd
 
 
@@ -85,23 +90,42 @@ def _shards_from_index(index: Path) -> list[Path]:
     return shards
 
 
-def _read_safetensors(path: Path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path, keep: Callable[[str], bool], shapes_only: bool) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
+            if shapes_only:  # the header alone
+                return {name: _meta_tensor(f.get_slice(name), path, name) for name in f.keys() if keep(name)}
             return {name: f.get_tensor(name) for name in f.keys() if keep(name)}
     except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on truncated files
         raise CorruptCheckpointError(f"{path} is not a readable safetensors file ({e})") from None
 
 
-def _read_torch_bin(path: Path, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+def _meta_tensor(view: Any, path: Path, name: str) -> torch.Tensor:
+    dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
+    if dtype is None:
+        raise CorruptCheckpointError(f"{path}: tensor {name} has dtype {view.get_dtype()}, which fllama does not read")
+    return torch.empty(view.get_shape(), dtype=dtype, device="meta")
+
+
+def _read_torch_bin(path: Path, keep: Callable[[str], bool], shapes_only: bool) -> dict[str, torch.Tensor]:
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = _torch_load(path, shapes_only)
     except Exception as e:  # zip, pickle and unpickler-safety errors alike
         raise CorruptCheckpointError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: {e})") \
             from None
     if not isinstance(sd, dict):
         raise CorruptCheckpointError(f"{path} does not hold a state dict")
-    return {k: v for k, v in sd.items() if keep(k) and isinstance(v, torch.Tensor)}
+    sd = {k: v for k, v in sd.items() if keep(k) and isinstance(v, torch.Tensor)}
+    return {k: v.to("meta") for k, v in sd.items()} if shapes_only else sd
+
+
+def _torch_load(path: Path, shapes_only: bool) -> Any:
+    if shapes_only:  # memory-mapped, so no tensor's data is read; files of torch's legacy format cannot be
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            pass
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _read_optional_json(path: Path) -> dict | None:
