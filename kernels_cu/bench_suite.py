@@ -55,7 +55,7 @@ def _weights(req: BenchRequest, scheme: str, dev: torch.device) -> tuple[ModelWe
     if req.random:
         config = LlamaConfig.from_name(req.source or "llama2-7b")
         return random_weights(config, scheme, dev, req.seed, req.cfg.group_size), config
-    loaded = load_model(req.source)
+    loaded = load_model(req.source, dtype=torch.float16)  # the engine's fp16, without an fp32 host copy
     weights = build_weights(loaded, torch.float16, "cpu")
     have = weights.meta.get("scheme", "fp16")
     if scheme != have:
@@ -93,7 +93,7 @@ def run_bench(req: BenchRequest, progress: Callable[[str], None] = lambda _: Non
         torch.cuda.empty_cache()
     if req.baseline and not base_rows:
         fp16 = (random_weights(config, "fp16", dev, req.seed) if req.random
-                else build_weights(load_model(req.source), torch.float16, "cuda"))
+                else build_weights(load_model(req.source, dtype=torch.float16), torch.float16, "cuda"))
         base_rows = _baseline(fp16, req.cfg, progress)
     for r in rows:
         _add_speedups(r, base_rows.get(r["batch"]))
