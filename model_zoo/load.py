@@ -15,8 +15,8 @@ import torch
 
 from model_zoo.config import PRESETS, LlamaConfig
 from model_zoo.errors import ModelSourceError
-from model_zoo.loaders import (NAMED_MODELS, LoadedModel, download, hf_dir_config, is_named, load_gguf, load_hf_dir,
-                               load_random, looks_like_hub_id, named_model_path, read_gguf_config)
+from model_zoo.loaders import (NAMED_MODELS, LoadedModel, download, hf_dir_config, hub_headers, is_named, load_gguf,
+                               load_hf_dir, load_random, looks_like_hub_id, named_model_path, read_gguf_config)
 from model_zoo.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -90,10 +90,23 @@ def load_model(source: str | Path | None = None, *, random: bool = False, seed: 
         loaded.meta["named"] = src.target
         return loaded
     if kind is SourceKind.HUB:
-        return load_hf_dir(download(src.target), dtype=dtype, n_layers=n_layers, source=src.target, kind="hub",
-                           shapes_only=shapes_only)
+        if shapes_only:
+            return _hub_shapes(src.target, dtype, n_layers)
+        return load_hf_dir(download(src.target), dtype=dtype, n_layers=n_layers, source=src.target, kind="hub")
     raise ModelSourceError(f"{src.given!r} is a preset shape without weights: add --random for random weights, "
                            "or give weights (an HF directory, a .gguf file or a hub id)")
+
+
+def _hub_shapes(source: str, dtype: torch.dtype, n_layers: int | None) -> LoadedModel:
+    """A hub model from its config, tokenizer and safetensors headers, with no weight downloaded; where the hub
+    cannot be reached, a snapshot already in the local cache (offline), or the download's own error."""
+    try:
+        headers = hub_headers(source)
+    except ModelSourceError:
+        return load_hf_dir(download(source), dtype=dtype, n_layers=n_layers, source=source, kind="hub",
+                           shapes_only=True)
+    return load_hf_dir(download(source, files="no-weights"), dtype=dtype, n_layers=n_layers, source=source,
+                       kind="hub", headers=headers)
 
 
 def resolve_config(source: str | Path | None = None) -> LlamaConfig:

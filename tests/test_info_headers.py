@@ -125,3 +125,50 @@ def test_info_still_refuses_a_checkpoint_missing_a_tensor(checkpoints, tmp_path,
         describe_model(str(d))
     code, out, err = fllama(capsys, monkeypatch, "info", d)
     assert code != 0 and len(err.strip().splitlines()) == 1 and "down_proj" in err
+
+
+def test_a_hub_model_is_described_from_its_headers_without_downloading_weights(checkpoints, monkeypatch, tmp_path):
+    """`fllama info org/name`: config and tokenizer files downloaded, the safetensors headers read from the hub."""
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+    from safetensors import safe_open
+
+    local, snap, asked = checkpoints["fp16"], tmp_path / "snapshot", []
+    snap.mkdir()
+    for f in local.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, snap / f.name)
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        asked.append(allow_patterns)
+        return str(snap)
+
+    def get_safetensors_metadata(repo_id, revision=None):
+        with safe_open(str(local / "model.safetensors"), "pt") as f:
+            tensors = {n: TensorInfo(dtype=f.get_slice(n).get_dtype(), shape=f.get_slice(n).get_shape(),
+                                     data_offsets=(0, 0)) for n in f.keys()}
+        return SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map=dict.fromkeys(tensors, "m"),
+                                       files_metadata={"m": SafetensorsFileMetadata(metadata={}, tensors=tensors)})
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", get_safetensors_metadata)
+    hub, here = describe_model("someorg/tiny-llama"), describe_model(str(local))
+    assert hub["kind"] == "hub" and hub["source"] == "someorg/tiny-llama"
+    assert {k: v for k, v in hub.items() if k not in ("source", "kind")} == \
+        {k: v for k, v in here.items() if k not in ("source", "kind")}
+    assert asked and not any("safetensors" in p for patterns in asked for p in patterns)
+
+
+def test_a_cached_hub_model_is_described_offline(monkeypatch, tmp_path):
+    from tests.test_loaders import _offline_hub
+
+    _offline_hub(monkeypatch, tmp_path / "cache")
+    repo = tmp_path / "cache" / "models--tinyorg--tiny-llama"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    write_hf_dir(repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    info = describe_model("tinyorg/tiny-llama")
+    assert info["kind"] == "hub" and info["weight_bytes"] == full_load_facts("tinyorg/tiny-llama")[0]

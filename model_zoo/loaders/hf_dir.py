@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -12,14 +12,11 @@ from safetensors import safe_open
 from model_zoo.config import LlamaConfig
 from model_zoo.errors import CorruptCheckpointError, ModelSourceError
 from model_zoo.loaders.loaded_model import LoadedModel
-from model_zoo.loaders.tensors import cast_floats, check_state_dict, cut_config, stored_dtype, wanted
+from model_zoo.loaders.tensors import cast_floats, check_state_dict, cut_config, meta_tensor, stored_dtype, wanted
 from model_zoo.quant.formats import scheme_of
 from model_zoo.tokenizer import Tokenizer
 
 FLLAMA_META = "fllama_meta.json"  # written by fllama's exporter beside config.json
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -41,11 +38,16 @@ def hf_dir_config(directory: Path) -> LlamaConfig:
 
 
 def load_hf_dir(directory: Path, *, dtype: torch.dtype, n_layers: int | None = None, source: str | None = None,
-                kind: str = "hf-dir", shapes_only: bool = False) -> LoadedModel:
-    """shapes_only: the state dict holds meta tensors (the stored shapes and dtypes; no tensor data is read)."""
+                kind: str = "hf-dir", shapes_only: bool = False,
+                headers: Mapping[str, torch.Tensor] | None = None) -> LoadedModel:
+    """shapes_only: the state dict holds meta tensors (the stored shapes and dtypes; no tensor data is read).
+    headers: those meta tensors, read elsewhere (a hub model's), for a directory without its weights."""
     raw = read_config_json(directory)
     config = cut_config(LlamaConfig.from_hf(raw), n_layers)
-    stored = read_weights(directory, keep=lambda name: wanted(name, n_layers), shapes_only=shapes_only)
+    if headers is not None:
+        stored = {name: t for name, t in headers.items() if wanted(name, n_layers)}
+    else:
+        stored = read_weights(directory, keep=lambda name: wanted(name, n_layers), shapes_only=shapes_only)
     quant = raw.get("quantization_config")
     scheme_of(quant)  # a layout fllama cannot run is refused before any tensor is converted
     check_state_dict(config, stored, quantized=quant is not None)
@@ -94,17 +96,11 @@ def _read_safetensors(path: Path, keep: Callable[[str], bool], shapes_only: bool
     try:
         with safe_open(str(path), framework="pt") as f:
             if shapes_only:  # the header alone
-                return {name: _meta_tensor(f.get_slice(name), path, name) for name in f.keys() if keep(name)}
+                return {name: meta_tensor(f.get_slice(name).get_dtype(), f.get_slice(name).get_shape(),
+                                          f"{path}: tensor {name}") for name in f.keys() if keep(name)}
             return {name: f.get_tensor(name) for name in f.keys() if keep(name)}
     except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on truncated files
         raise CorruptCheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-
-
-def _meta_tensor(view: Any, path: Path, name: str) -> torch.Tensor:
-    dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
-    if dtype is None:
-        raise CorruptCheckpointError(f"{path}: tensor {name} has dtype {view.get_dtype()}, which fllama does not read")
-    return torch.empty(view.get_shape(), dtype=dtype, device="meta")
 
 
 def _read_torch_bin(path: Path, keep: Callable[[str], bool], shapes_only: bool) -> dict[str, torch.Tensor]:

@@ -21,6 +21,16 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 QUANT_LINEAR_SUFFIXES = (".weight", ".weight_scale", ".input_scale", ".weight_zero_point", ".qweight", ".qzeros",
                          ".scales", ".g_idx")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def meta_tensor(dtype: str, shape: list[int], where: str) -> torch.Tensor:
+    """A safetensors header entry (its dtype string and shape) as a meta tensor: the shape and dtype, no data."""
+    if dtype not in SAFETENSORS_DTYPES:
+        raise CorruptCheckpointError(f"{where} has dtype {dtype}, which fllama does not read")
+    return torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype], device="meta")
 
 
 def layer_index(name: str) -> int | None:
