@@ -98,6 +98,8 @@ def open_model(source: str | None, *, device: DeviceChoice = DeviceChoice.auto, 
         if lm_head_int8:  # the engine's int8 head, as values: the reference's logits carry its rounding
             weights = replace(weights, lm_head=int8_round_trip(weights.lm_head))
         backend = CpuModel(weights, weight_dtype=cpu_dtype or CpuDtype.FP16)  # laid out (AWQ dequantized) at load
+    # the backend holds its own weights: the host state dict would otherwise live as long as the session
+    loaded.state_dict = {}
     return Opened(loaded, backend, dev, lm_head_int8, load_s=time.perf_counter() - t0)
 
 

@@ -400,6 +400,7 @@ def test_open_model_prepares_an_awq_checkpoint_at_load(tmp_path_factory, monkeyp
     cfg = GenerationConfig(max_new_tokens=4, sampling=SamplingConfig(temperature=0), stop_at_eos=False)
     generate(opened.backend, opened.tokenizer, [opened.tokenizer.encode("hello")], cfg)
     assert len(calls) == 7 * config.n_layers
+    assert opened.loaded.state_dict == {}  # the backend holds its weights: the host copies do not outlive the load
 
 
 def test_cpu_dtype_option_chooses_the_weights(capsys, monkeypatch, model_dir):
