@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/gpu.md): install the carried wheels (.gpu-wheels/), then run the steps
 # named, in order; what they write goes to $OUT. Steps: kernels sanitize engine e2e micro bench7b prefill2k
-# bench70b profile timeline ab ncu. BENCH_ARGS adds options to the bench steps (e.g. --lm-head-int8); e2e needs
-# .gpu-data/smollm2-8l.gguf (python -m tests.gpu.smollm2_slice 8 .gpu-data/smollm2-8l.gguf).
+# bench70b profile timeline ab ncu l2hint. BENCH_ARGS adds options to the bench steps (e.g. --lm-head-int8); e2e
+# needs .gpu-data/smollm2-8l.gguf (python -m tests.gpu.smollm2_slice 8 .gpu-data/smollm2-8l.gguf).
 #   bash tests/gpu/device_run.sh kernels sanitize
 set -uo pipefail
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -41,6 +41,7 @@ for step in "$@"; do
     ab)  # one engine per scheme, an EngineConfig or Tuning field on / off alternated (kernels_cu/lab/engine_ab.py)
       timeout 500 python -m kernels_cu.lab.engine_ab --switch ${AB_SWITCH:-fold_norms} --scheme ${AB_SCHEMES:-awq,fp16} \
         --batch ${AB_BATCH:-1,8} --rounds ${AB_ROUNDS:-2} 2>&1 | tail -n 12 ;;
+    l2hint) timeout 300 python -m kernels_cu.lab.l2_hint --pdl 2>&1 | tail -n 20 ;;  # L2 policies of a weight stream
     ncu)  # Nsight Compute counters of each decode GEMV (kernels_cu/lab/gemv_probe.py), real clocks, L2 flushed per launch
       timeout 400 ncu --clock-control none --nvtx --nvtx-include "probe/" --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
