@@ -96,8 +96,9 @@ def _read_safetensors(path: Path, keep: Callable[[str], bool], shapes_only: bool
     try:
         with safe_open(str(path), framework="pt") as f:
             if shapes_only:  # the header alone
-                return {name: meta_tensor(f.get_slice(name).get_dtype(), f.get_slice(name).get_shape(),
-                                          f"{path}: tensor {name}") for name in f.keys() if keep(name)}
+                views = {name: f.get_slice(name) for name in f.keys() if keep(name)}
+                return {name: meta_tensor(v.get_dtype(), v.get_shape(), f"{path}: tensor {name}")
+                        for name, v in views.items()}
             return {name: f.get_tensor(name) for name in f.keys() if keep(name)}
     except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on truncated files
         raise CorruptCheckpointError(f"{path} is not a readable safetensors file ({e})") from None

@@ -41,11 +41,10 @@ def _format_line(qcfg: Any) -> str | None:
 
 
 def held_bytes(sd: Mapping[str, torch.Tensor]) -> int:
-    """The bytes a checkpoint's tensors take as fllama holds them: codes and integer tensors as stored, floats in
-    fp16, GPTQ's group indices not at all (a load drops them; act-order's become a permutation, 4 bytes an input
-    row). Exact for unquantized checkpoints, within ~1% of the built weights for quantized ones."""
-    return sum(t.numel() * (2 if t.is_floating_point() and t.element_size() > 1 else t.element_size())
-               for name, t in sd.items() if not name.endswith(".g_idx"))
+    """The bytes of a state dict loaded in fp16 (codes and scales as stored, other floats in fp16), GPTQ's group
+    indices aside (a load drops them; act-order's become a permutation, 4 bytes an input row): the built weights'
+    for unquantized checkpoints, within ~1% for quantized ones (int8 scales are held in fp32)."""
+    return sum(t.numel() * t.element_size() for name, t in sd.items() if not name.endswith(".g_idx"))
 
 
 def describe_model(source: str | None, random: bool = False) -> dict:
