@@ -162,13 +162,9 @@ def test_a_hub_model_is_described_from_its_headers_without_downloading_weights(c
 
 
 def test_a_cached_hub_model_is_described_offline(monkeypatch, tmp_path):
-    from tests.test_loaders import _offline_hub
+    from tests.test_loaders import _offline_hub, cached_snapshot
 
     _offline_hub(monkeypatch, tmp_path / "cache")
-    repo = tmp_path / "cache" / "models--tinyorg--tiny-llama"
-    sha = "0123456789abcdef0123456789abcdef01234567"
-    write_hf_dir(repo / "snapshots" / sha)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(sha)
+    cached_snapshot(tmp_path / "cache", "tinyorg/tiny-llama")
     info = describe_model("tinyorg/tiny-llama")
     assert info["kind"] == "hub" and info["weight_bytes"] == full_load_facts("tinyorg/tiny-llama")[0]

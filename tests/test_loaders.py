@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -181,19 +182,25 @@ def test_hub_offline_missing(monkeypatch, tmp_path):
         resolve_config("someorg/not-cached")
 
 
-def test_hub_from_cache(monkeypatch, tmp_path):
-    """A cached snapshot (the hub's cache layout) loads offline through the hub path."""
-    _offline_hub(monkeypatch, tmp_path / "cache")
-    repo = tmp_path / "cache" / "models--tinyorg--tiny-llama"
+def cached_snapshot(cache: Path, repo_id: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny checkpoint in the hub's cache layout under `cache`: (its snapshot directory, its state dict)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
     sha = "0123456789abcdef0123456789abcdef01234567"
     sd = write_hf_dir(repo / "snapshots" / sha)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(sha)
+    return repo / "snapshots" / sha, sd
+
+
+def test_hub_from_cache(monkeypatch, tmp_path):
+    """A cached snapshot (the hub's cache layout) loads offline through the hub path."""
+    _offline_hub(monkeypatch, tmp_path / "cache")
+    snapshot, sd = cached_snapshot(tmp_path / "cache", "tinyorg/tiny-llama")
     m = load_model("tinyorg/tiny-llama")
     assert m.kind == "hub" and m.source == "tinyorg/tiny-llama"
     assert torch.equal(m.state_dict["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
     assert resolve_config("tinyorg/tiny-llama").hidden_size == TINY.hidden_size
-    (repo / "snapshots" / sha / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").unlink()
     with pytest.raises(ModelSourceError, match="no safetensors weights"):
         load_model("tinyorg/tiny-llama")
 
